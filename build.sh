@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# Build everything: the Python harness (.venv), and stock + patched llama.cpp from the one pin in UPSTREAM.
+#
+#   ./build.sh                     CPU builds (CUDA automatically when nvcc and an NVIDIA GPU are present)
+#   ./build.sh --cuda              CUDA builds (cuBLAS from the nvidia-cublas wheel when the system has none)
+#   ./build.sh --cuda-arch 90      CUDA architectures (CMAKE_CUDA_ARCHITECTURES); implies --cuda
+#   ./build.sh --cpu               force the CPU backend
+#   ./build.sh --only stock|patched|harness
+#   ./build.sh --jobs N
+#
+# Idempotent: a second run with nothing changed finishes in seconds.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$root"
+
+backend=auto
+cuda_arch=
+only=
+jobs=$(nproc 2>/dev/null || echo 2)
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cuda) backend=cuda ;;
+        --cpu) backend=cpu ;;
+        --cuda-arch) backend=cuda; cuda_arch=${2:?--cuda-arch needs a value, e.g. 86 or 90}; shift ;;
+        --cuda-arch=*) backend=cuda; cuda_arch=${1#*=} ;;
+        --only) only=${2:?--only needs stock, patched or harness}; shift ;;
+        --only=*) only=${1#*=} ;;
+        --jobs|-j) jobs=${2:?--jobs needs a number}; shift ;;
+        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$only" in ""|stock|patched|harness) ;; *) echo "build.sh: error: --only takes stock, patched or harness" >&2; exit 2 ;; esac
+
+die() { echo "build.sh: error: $*" >&2; exit 1; }
+t_all=$(date +%s)
+t_phase=$t_all
+phase() {
+    local now
+    now=$(date +%s)
+    echo "build.sh: [$1] done in $((now - t_phase)) s"
+    t_phase=$now
+}
+
+# ---- 0. tools, early -------------------------------------------------------------------------
+command -v python3 >/dev/null || die "python3 not found (3.10 or newer is needed)"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "python3 is older than 3.10"
+if [ "$only" != harness ]; then
+    command -v cmake >/dev/null || die "cmake not found: install it (apt-get install cmake, or pip install cmake)"
+    command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null \
+        || die "no C++ compiler found: install one (apt-get install g++)"
+    command -v git >/dev/null || die "git not found: the patch series is applied with git am"
+fi
+
+# shellcheck source=UPSTREAM
+. "$root/UPSTREAM"
+pin_version=$LLAMA_CPP_PYTHON_VERSION
+pin_sha=$LLAMA_CPP_PYTHON_SHA256
+pin_id="llama-cpp-python-$pin_version"
+
+if [ "$backend" = auto ]; then
+    backend=cpu
+    if command -v nvcc >/dev/null && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+        backend=cuda
+    fi
+fi
+
+# ---- 1. the harness in .venv -----------------------------------------------------------------
+venv="$root/.venv"
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv" || die "could not create .venv (on Debian: apt-get install python3-venv)"
+fi
+py="$venv/bin/python"
+harness_stamp="$venv/.moe-subst-harness"
+harness_want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
+if [ "$(cat "$harness_stamp" 2>/dev/null)" != "$harness_want" ]; then
+    echo "build.sh: installing the harness into .venv"
+    "$py" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+    "$py" -m pip install -e "$root[dev]" >"$venv/pip-install.log" 2>&1 \
+        || { tail -n 20 "$venv/pip-install.log" >&2; die "pip could not install the harness (log: .venv/pip-install.log)"; }
+    echo "$harness_want" >"$harness_stamp"
+fi
+phase harness
+[ "$only" = harness ] && { echo "build.sh: harness ready: .venv/bin/harness"; exit 0; }
+
+if ! command -v ninja >/dev/null; then
+    [ -x "$venv/bin/ninja" ] || "$py" -m pip install --quiet ninja || die "ninja not found and pip could not install it"
+    export PATH="$venv/bin:$PATH"
+fi
+
+# ---- 2. the pinned source, downloaded once, verified, cached ------------------------------------
+cache=${MOE_SUBST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/moe-subst}
+sdist="$cache/llama_cpp_python-$pin_version.tar.gz"
+mkdir -p "$cache"
+sha_of() { sha256sum "$1" | cut -d' ' -f1; }
+if [ -f "$sdist" ] && [ "$(sha_of "$sdist")" != "$pin_sha" ]; then
+    die "the cached $sdist does not match the pinned sha256 ($pin_sha): delete it and run again"
+fi
+if [ ! -f "$sdist" ]; then
+    echo "build.sh: downloading llama-cpp-python==$pin_version (source distribution, ~77 MB) from the package index"
+    tmp=$(mktemp -d)
+    if ! "$py" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+            "llama-cpp-python==$pin_version" -d "$tmp" >"$tmp/log" 2>&1 \
+        && ! "$py" -m pip download --quiet --no-deps --no-binary :all: \
+            "llama-cpp-python==$pin_version" -d "$tmp" >>"$tmp/log" 2>&1; then
+        tail -n 5 "$tmp/log" >&2
+        rm -rf "$tmp"
+        die "could not download llama-cpp-python==$pin_version and no cached copy exists at $sdist. Without network, copy the file llama_cpp_python-$pin_version.tar.gz (sha256 $pin_sha) there."
+    fi
+    got=$(find "$tmp" -name 'llama_cpp_python-*.tar.gz' | head -n 1)
+    [ -n "$got" ] || { rm -rf "$tmp"; die "pip downloaded no source distribution"; }
+    if [ "$(sha_of "$got")" != "$pin_sha" ]; then
+        echo "build.sh: got sha256 $(sha_of "$got")" >&2
+        rm -rf "$tmp"
+        die "hash mismatch: the downloaded llama-cpp-python==$pin_version is not the pinned one ($pin_sha)"
+    fi
+    mv "$got" "$sdist"
+    rm -rf "$tmp"
+fi
+phase fetch
+
+# ---- 3. the two trees ---------------------------------------------------------------------------
+stock_tree="$root/vendor/llama.cpp"
+patched_tree="$root/vendor/llama.cpp-patched"
+if [ "$(cat "$stock_tree/.moe-subst-pin" 2>/dev/null)" != "$pin_id $pin_sha" ]; then
+    echo "build.sh: unpacking llama.cpp from $pin_id into vendor/llama.cpp"
+    rm -rf "$stock_tree" "$stock_tree.tmp"
+    mkdir -p "$stock_tree.tmp"
+    tar -xzf "$sdist" -C "$stock_tree.tmp" --strip-components=3 \
+        "llama_cpp_python-$pin_version/vendor/llama.cpp" || die "could not unpack $sdist"
+    [ -f "$stock_tree.tmp/CMakeLists.txt" ] || die "$sdist has no vendor/llama.cpp/ tree"
+    # The sdist keeps the submodule's .git pointer file; it points nowhere here.
+    rm -rf "$stock_tree.tmp/.git"
+    echo "$pin_id $pin_sha" >"$stock_tree.tmp/.moe-subst-pin"
+    mv "$stock_tree.tmp" "$stock_tree"
+fi
+if [ "$only" != stock ]; then
+    "$root/scripts/patches.sh" apply || die "the patch series could not be applied (see above)"
+fi
+phase trees
+
+# ---- 4. configure + build -----------------------------------------------------------------------
+targets=(llama llama-cli llama-server llama-perplexity llama-bench)
+cmake_common=(
+    -G Ninja
+    -DCMAKE_BUILD_TYPE=Release
+    -DBUILD_SHARED_LIBS=ON
+    -DLLAMA_BUILD_TESTS=OFF
+    -DLLAMA_BUILD_EXAMPLES=OFF
+    -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_UI=OFF
+    -DLLAMA_USE_PREBUILT_UI=OFF
+    -DLLAMA_OPENSSL=OFF
+    -DLLAMA_BUILD_NUMBER=0
+    -DLLAMA_BUILD_COMMIT="$pin_id"
+)
+if command -v ccache >/dev/null; then
+    # Both trees build in <tree>/build-<backend>, so relative paths match and objects are shared.
+    export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1 CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime
+    cmake_common+=(-DGGML_CCACHE=ON)
+else
+    cmake_common+=(-DGGML_CCACHE=OFF)
+    echo "build.sh: note: ccache not found; install it to make rebuilds fast (apt-get install ccache)"
+fi
+if [ "$backend" = cuda ]; then
+    command -v nvcc >/dev/null || die "--cuda: nvcc not found (install the CUDA toolkit)"
+    cmake_common+=(-DGGML_CUDA=ON)
+    [ -n "$cuda_arch" ] && cmake_common+=(-DCMAKE_CUDA_ARCHITECTURES="$cuda_arch")
+    if ! ls /usr/local/cuda/lib64/libcublas.so* >/dev/null 2>&1 && ! ldconfig -p 2>/dev/null | grep -q libcublas.so; then
+        cublas_root=$("$py" - <<'PY'
+import importlib.util, pathlib
+spec = importlib.util.find_spec("nvidia")
+if spec and spec.submodule_search_locations:
+    for base in spec.submodule_search_locations:
+        for p in sorted(pathlib.Path(base).glob("cu*/lib/libcublas.so*")):
+            print(p.parent.parent); raise SystemExit
+PY
+)
+        if [ -z "$cublas_root" ]; then
+            echo "build.sh: cuBLAS not found on the system; installing the nvidia-cublas wheel into .venv"
+            "$py" -m pip install --quiet nvidia-cublas || die "could not install nvidia-cublas (cuBLAS is needed for --cuda)"
+            cublas_root=$("$py" -c 'import importlib.util,pathlib;b=importlib.util.find_spec("nvidia").submodule_search_locations[0];print(next(pathlib.Path(b).glob("cu*/lib/libcublas.so*")).parent.parent)') \
+                || die "the nvidia-cublas wheel holds no libcublas"
+        fi
+        for l in "$cublas_root"/lib/libcublas.so.* "$cublas_root"/lib/libcublasLt.so.*; do
+            [ -e "$l" ] && ln -sf "$(basename "$l")" "$(dirname "$l")/$(basename "$l" | sed 's/\.so\..*/.so/')"
+        done
+        cmake_common+=(-DCUDAToolkit_INCLUDE_DIRECTORIES="$cublas_root/include"
+            -DCUDA_cublas_LIBRARY="$cublas_root/lib/libcublas.so"
+            -DCUDA_cublasLt_LIBRARY="$cublas_root/lib/libcublasLt.so"
+            -DCMAKE_CXX_FLAGS="-I$cublas_root/include" -DCMAKE_CUDA_FLAGS="-I$cublas_root/include"
+            -DCMAKE_BUILD_RPATH="$cublas_root/lib")
+    fi
+fi
+
+build_tree() {  # name tree
+    local name=$1 tree=$2 dir="$2/build-$backend" args_stamp want
+    want=$(printf '%s\n' "${cmake_common[@]}" | sha256sum | cut -c1-16)
+    args_stamp="$dir/.moe-subst-cmake-args"
+    if [ ! -f "$dir/build.ninja" ] || [ "$(cat "$args_stamp" 2>/dev/null)" != "$want" ]; then
+        echo "build.sh: configuring $name ($backend)"
+        cmake -S "$tree" -B "$dir" "${cmake_common[@]}" >"$dir.configure.log" 2>&1 \
+            || { tail -n 30 "$dir.configure.log" >&2; die "cmake could not configure the $name tree (log: $dir.configure.log)"; }
+        echo "$want" >"$args_stamp"
+    fi
+    echo "build.sh: building $name ($backend): ${targets[*]}"
+    cmake --build "$dir" --parallel "$jobs" --target "${targets[@]}" >"$dir.build.log" 2>&1 \
+        || { grep -E 'error|Error' "$dir.build.log" | head -n 20 >&2; tail -n 20 "$dir.build.log" >&2; die "the $name build failed (log: $dir.build.log)"; }
+    phase "build $name"
+}
+[ "$only" = patched ] || build_tree stock "$stock_tree"
+[ "$only" = stock ] || build_tree patched "$patched_tree"
+
+# ---- 5. the manifest the harness reads --------------------------------------------------------------
+mkdir -p "$root/build"
+series_hash=$("$root/scripts/patches.sh" hash)
+"$py" - "$root/build/builds.json" "$backend" "$pin_id" "$pin_sha" "$series_hash" "$stock_tree/build-$backend/bin" "$patched_tree/build-$backend/bin" "$only" <<'PY'
+import json, sys, pathlib
+out, backend, pin, sha, series, stock_bin, patched_bin, only = sys.argv[1:]
+path = pathlib.Path(out)
+data = json.loads(path.read_text()) if path.exists() else {}
+data.update({"schema_version": 1, "pin": pin, "pin_sha256": sha, "patch_series": series})
+builds = data.setdefault("builds", {})
+for name, bindir in (("stock", stock_bin), ("patched", patched_bin)):
+    if only in ("", name):
+        builds[name] = {"backend": backend, "bin": bindir}
+path.write_text(json.dumps(data, indent=2) + "\n")
+PY
+echo
+echo "build.sh: built in $(( $(date +%s) - t_all )) s ($backend backend, pin $pin_id, patch series $series_hash):"
+[ "$only" = patched ] || echo "  stock:   vendor/llama.cpp/build-$backend/bin/{llama-cli,llama-server,llama-perplexity,llama-bench}"
+[ "$only" = stock ] || echo "  patched: vendor/llama.cpp-patched/build-$backend/bin/{llama-cli,llama-server,llama-perplexity,llama-bench}"
+echo "  harness: .venv/bin/harness"
+echo
+echo "next: .venv/bin/harness doctor"

@@ -1,0 +1,99 @@
+"""`harness doctor`: what is built, with what, from which pin and patches, and what hardware is here."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import psutil
+
+from harness import project
+
+
+@dataclass(frozen=True)
+class BuildStatus:
+    name: str
+    present: bool
+    backend: str
+    bin_dir: str
+    version: str
+    identifies_as_patched: bool
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    pin: str
+    pin_sha256: str
+    patch_series: str
+    n_patches: int
+    source_unpacked: bool
+    builds: tuple[BuildStatus, ...]
+    gpus: tuple[str, ...]
+    nvcc: str
+    python: str
+    host_ram_bytes: int
+    cpu_count: int
+    problems: tuple[str, ...]
+
+
+def _run(argv: list[str], timeout: float = 20) -> str:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (r.stdout + r.stderr).strip()
+
+
+def detect_gpus() -> tuple[str, ...]:
+    if not shutil.which("nvidia-smi"):
+        return ()
+    out = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
+    return tuple(line.strip() for line in out.splitlines() if line.strip() and "failed" not in line.lower())
+
+
+def build_version(build: project.Build) -> str:
+    """The first 'version:' line a tool prints (patched builds say 'moe-subst patched build')."""
+    if not (build.bin_dir / "llama-cli").is_file():
+        return ""
+    out = _run([str(build.bin_dir / "llama-cli"), "--version"])
+    for line in out.splitlines():
+        if line.startswith("version:"):
+            return line.removeprefix("version:").strip()
+    return out.splitlines()[-1] if out else ""
+
+
+def diagnose() -> Diagnosis:
+    root = project.project_root()
+    pin = project.read_pin(root)
+    builds = project.read_builds(root)
+    problems: list[str] = []
+    statuses = []
+    for name in project.BUILD_NAMES:
+        b = builds.get(name)
+        if b is None or not b.present():
+            statuses.append(BuildStatus(name, False, b.backend if b else "-", str(b.bin_dir) if b else "-", "", False))
+            problems.append(f"the {name} build is missing: run ./build.sh")
+            continue
+        version = build_version(b)
+        patched = "moe-subst" in version
+        statuses.append(BuildStatus(name, True, b.backend, str(b.bin_dir), version, patched))
+        if (name == "patched") != patched:
+            problems.append(f"the {name} build identifies itself as {'patched' if patched else 'stock'}: "
+                            "run ./build.sh again")
+    unpacked = (root / "vendor" / "llama.cpp" / ".moe-subst-pin").is_file()
+    if unpacked:
+        got = (root / "vendor" / "llama.cpp" / ".moe-subst-pin").read_text().split()
+        if got != [pin.name, pin.sha256]:
+            problems.append("vendor/llama.cpp is from another pin than UPSTREAM: run ./build.sh")
+    gpus = detect_gpus()
+    if gpus and any(s.present and s.backend != "cuda" for s in statuses):
+        problems.append("an NVIDIA GPU is present but the builds are CPU-only: run ./build.sh --cuda")
+    nvcc = _run(["nvcc", "--version"]).splitlines()[-1] if shutil.which("nvcc") else ""
+    return Diagnosis(
+        pin=pin.name, pin_sha256=pin.sha256, patch_series=project.patch_series_hash(root),
+        n_patches=len(project.patch_series(root)), source_unpacked=unpacked, builds=tuple(statuses),
+        gpus=gpus, nvcc=nvcc, python=platform.python_version(),
+        host_ram_bytes=psutil.virtual_memory().total, cpu_count=psutil.cpu_count() or 0,
+        problems=tuple(problems))
