@@ -1,0 +1,61 @@
+import pytest
+
+from harness.errors import HarnessError
+from harness.gguf_model import ExpertTensor, ModelInfo
+from harness.plan import budget_bytes, plan_slots
+from harness.sizes import parse_size
+
+MiB = 2**20
+
+
+def _info(n_expert: int = 64, k: int = 8, layers: int = 4, per_expert: int = MiB, non_expert: int = 100 * MiB) -> ModelInfo:
+    tensors = tuple(
+        ExpertTensor(f"blk.{il}.ffn_{kind}_exps.weight", kind, "weight", "F16", (8, 8, n_expert),
+                     per_expert // 3 * n_expert)
+        for il in range(layers) for kind in ("gate", "up", "down"))
+    expert_bytes = sum(t.n_bytes for t in tensors)
+    return ModelInfo(path="x.gguf", arch="qwen3moe", name="x", n_layers=layers, moe_layers=tuple(range(layers)),
+                     n_expert=n_expert, n_expert_used=k, n_expert_shared=0, gating="softmax", weights_norm=True,
+                     merged_gate_up=False, expert_tensors=tensors, expert_bytes=expert_bytes,
+                     non_expert_bytes=non_expert, file_bytes=expert_bytes + non_expert, file_type="F16")
+
+
+def test_slots_fill_the_budget() -> None:
+    info = _info()
+    per = info.bytes_per_expert  # 3 * (MiB // 3)
+    budget = info.non_expert_bytes + 20 * per * 4 + per  # room for 20 per layer, plus a bit
+    p = plan_slots(info, parse_size(str(budget)))
+    assert p.slots_per_layer == 20
+    assert p.cache_bytes == 20 * per * 4
+    assert p.cache_bytes + p.non_expert_bytes <= budget
+    assert not p.fits_whole_model
+
+
+def test_reserve_is_taken_first() -> None:
+    info = _info()
+    per = info.bytes_per_expert
+    budget = info.non_expert_bytes + 20 * per * 4
+    assert plan_slots(info, parse_size(str(budget)), reserve=4 * per * 4).slots_per_layer == 16
+
+
+def test_whole_model_fits() -> None:
+    info = _info()
+    p = plan_slots(info, parse_size("10G"))
+    assert p.slots_per_layer == info.n_expert and p.fits_whole_model
+
+
+def test_percent_budget_means_share_of_experts() -> None:
+    info = _info()
+    assert budget_bytes(info, parse_size("25%")) == info.non_expert_bytes + info.expert_bytes // 4
+    assert plan_slots(info, parse_size("25%")).slots_per_layer == 16
+
+
+def test_too_small_budget_names_the_minimum() -> None:
+    info = _info()
+    with pytest.raises(HarnessError, match="too small.*minimum is"):
+        plan_slots(info, parse_size("50M"))
+    # exactly k slots per layer is enough
+    per = info.bytes_per_expert
+    assert plan_slots(info, parse_size(str(info.non_expert_bytes + 8 * per * 4))).slots_per_layer == 8
+    with pytest.raises(HarnessError):
+        plan_slots(info, parse_size(str(info.non_expert_bytes + 8 * per * 4 - 1)))
