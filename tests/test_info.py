@@ -1,0 +1,103 @@
+"""`harness info`: numbers from GGUF metadata, and one-line errors for bad input."""
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from harness.cli import main
+from harness.errors import HarnessError, NotMoEError
+from harness.gguf_model import read_model_info
+
+
+def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: int = 16, k: int = 2) -> Path:
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(n_layer)
+    w.add_embedding_length(n_embd)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((100, n_embd), dtype=np.float32))
+    for il in range(n_layer):
+        w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if n_expert:
+            w.add_expert_count(n_expert) if il == 0 else None
+            w.add_expert_used_count(k) if il == 0 else None
+            w.add_tensor(f"blk.{il}.ffn_gate_inp.weight", rng.standard_normal((n_expert, n_embd), dtype=np.float32))
+            for kind, shape in (("gate", (n_expert, n_ff, n_embd)), ("up", (n_expert, n_ff, n_embd)),
+                                ("down", (n_expert, n_embd, n_ff))):
+                w.add_tensor(f"blk.{il}.ffn_{kind}_exps.weight", rng.standard_normal(shape, dtype=np.float32))
+        else:
+            w.add_tensor(f"blk.{il}.ffn_up.weight", rng.standard_normal((n_ff, n_embd), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_reads_expert_numbers(tmp_path: Path) -> None:
+    info = read_model_info(_write(tmp_path / "m.gguf", n_expert=8, n_layer=3, n_embd=32, n_ff=16, k=2))
+    assert info.arch == "qwen3moe"
+    assert info.n_layers == 3 and info.moe_layers == (0, 1, 2)
+    assert info.n_expert == 8 and info.n_expert_used == 2 and info.n_expert_shared == 0
+    assert not info.merged_gate_up
+    assert info.bytes_per_expert == 3 * 32 * 16 * 4
+    assert info.bytes_per_expert_tensor == {"gate.weight": 2048, "up.weight": 2048, "down.weight": 2048}
+    assert info.expert_bytes == 3 * 8 * 3 * 32 * 16 * 4
+    assert info.non_expert_bytes == 100 * 32 * 4 + 3 * (32 * 4 + 8 * 32 * 4)
+
+
+def test_not_moe(tmp_path: Path) -> None:
+    with pytest.raises(NotMoEError, match="not a Mixture-of-Experts model"):
+        read_model_info(_write(tmp_path / "d.gguf", n_expert=0))
+
+
+def test_truncated(tmp_path: Path) -> None:
+    good = _write(tmp_path / "m.gguf", n_expert=8)
+    data = good.read_bytes()
+    for cut in (len(data) // 2, 40, len(data) - 10):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(HarnessError, match="truncated|damaged"):
+            read_model_info(bad)
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "x.gguf"
+    p.write_text("hello world")
+    with pytest.raises(HarnessError, match="not a GGUF file"):
+        read_model_info(p)
+    with pytest.raises(HarnessError, match="no such file"):
+        read_model_info(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("case", ["dense", "truncated", "small-budget", "text"])
+def test_cli_errors_are_one_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _write(tmp_path / "m.gguf", n_expert=8)
+    argv = [str(model)]
+    if case == "dense":
+        argv = [str(_write(tmp_path / "d.gguf", n_expert=0))]
+    elif case == "truncated":
+        (tmp_path / "t.gguf").write_bytes(model.read_bytes()[:300])
+        argv = [str(tmp_path / "t.gguf")]
+    elif case == "small-budget":
+        argv += ["--vram", "1K"]
+    else:
+        (tmp_path / "a.txt").write_text("text")
+        argv = [str(tmp_path / "a.txt")]
+    rc = main(["info", *argv])
+    out = capsys.readouterr()
+    assert rc == 2
+    lines = [line for line in out.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("harness: error:"), out.err
+    assert "Traceback" not in out.err + out.out
+
+
+def test_cli_info_with_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _write(tmp_path / "m.gguf", n_expert=8)
+    assert main(["info", str(model), "--vram", "50%"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"4 expert slots per\s+layer", out)
+    assert main(["info", str(model), "--vram", "1G"]) == 0
+    assert re.search(r"nothing is\s+offloaded", capsys.readouterr().out)
