@@ -127,9 +127,9 @@ def read_model_info(path: str | Path) -> ModelInfo:
                           "there is nothing to cache; run it with stock llama.cpp")
     if n_used <= 0:
         raise HarnessError(f"{p}: {arch}.expert_used_count is missing")
-    for t in experts:
-        if t.role == "weight" and (len(t.shape) != 3 or t.shape[2] != n_expert):
-            raise HarnessError(f"{p}: expert tensor {t.name} has shape {t.shape}, expected n_expert={n_expert} "
+    for et in experts:
+        if et.role == "weight" and (len(et.shape) != 3 or et.shape[2] != n_expert):
+            raise HarnessError(f"{p}: expert tensor {et.name} has shape {et.shape}, expected n_expert={n_expert} "
                                "in its last dimension")
     if n_shared is None:
         n_shared = 1 if shexp_layers else 0

@@ -67,8 +67,8 @@ def test_calibration_recovers_known_constants() -> None:
 
 
 def test_calibration_keeps_unidentifiable_constants() -> None:
-    runs = [(TokenWork(n_layers=10, resident_bytes=b), estimate(P, TokenWork(n_layers=10, resident_bytes=b)).ms_per_token)
-            for b in (1e9, 2e9, 3e9)]
+    works = [TokenWork(n_layers=10, resident_bytes=b) for b in (1e9, 2e9, 3e9)]
+    runs = [(w, estimate(P, w).ms_per_token) for w in works]
     fit = calibrate(P, runs)
     assert fit.vram_bw_gbs == pytest.approx(P.vram_bw_gbs, rel=1e-6)
     assert fit.h2d_bw_gbs == P.h2d_bw_gbs  # no fetch in any run: not identifiable, kept

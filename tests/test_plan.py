@@ -8,7 +8,8 @@ from harness.sizes import parse_size
 MiB = 2**20
 
 
-def _info(n_expert: int = 64, k: int = 8, layers: int = 4, per_expert: int = MiB, non_expert: int = 100 * MiB) -> ModelInfo:
+def _info(n_expert: int = 64, k: int = 8, layers: int = 4, per_expert: int = MiB,
+          non_expert: int = 100 * MiB) -> ModelInfo:
     tensors = tuple(
         ExpertTensor(f"blk.{il}.ffn_{kind}_exps.weight", kind, "weight", "F16", (8, 8, n_expert),
                      per_expert // 3 * n_expert)
