@@ -1,0 +1,60 @@
+"""Shared fixtures: generated models (harness.synth) and the builds made by ./build.sh.
+
+- `synth_models`: dict arch -> path of a default-sized random-weight MoE GGUF (f32), one per arch in
+  harness.synth.ARCHS, written once per session.
+- `dense_model`: a tiny dense (non-MoE) qwen3 GGUF.
+- `synth_text_file`: about 6 KB of deterministic English-looking text for llama-perplexity.
+- `stock_build` / `patched_build`: harness.project.Build objects; the test is skipped (with the reason)
+  when build/builds.json or the binaries are missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.errors import HarnessError
+from harness.project import Build, read_builds
+from harness.synth import ARCHS, SynthSpec, synth_text, write_dense_model, write_synth_model
+
+
+@pytest.fixture(scope="session")
+def synth_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("synth")
+    return {arch: write_synth_model(SynthSpec(arch=arch), out / f"{arch}.gguf") for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dense_model(tmp_path_factory.mktemp("dense") / "dense-qwen3.gguf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def synth_text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "synth.txt"
+    path.write_text(synth_text(6000, seed=0))
+    return path
+
+
+def _build(name: str) -> Build:
+    try:
+        builds = read_builds()
+    except HarnessError as e:
+        pytest.skip(f"no usable {name} build: {e}")
+    build = builds.get(name)
+    if build is None:
+        pytest.skip(f"the {name} build is not in build/builds.json: run ./build.sh")
+    if not build.present():
+        pytest.skip(f"the {name} build at {build.bin_dir} lacks some binaries: run ./build.sh")
+    return build
+
+
+@pytest.fixture(scope="session")
+def stock_build() -> Build:
+    return _build("stock")
+
+
+@pytest.fixture(scope="session")
+def patched_build() -> Build:
+    return _build("patched")

@@ -1,0 +1,189 @@
+"""harness.synth: generated random-weight models are deterministic, read back as specified, and run."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from harness.cli import main
+from harness.errors import HarnessError, NotMoEError
+from harness.gguf_model import read_model_info
+from harness.project import Build
+from harness.synth import (
+    ARCHS,
+    DTYPES,
+    MIN_VOCAB,
+    SynthSpec,
+    build_tokenizer,
+    check_spec,
+    expected_bytes_per_expert,
+    synth_text,
+    write_synth_model,
+)
+
+WRITABLE = ("f32", "f16", "q8_0", "q4_0")
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
+    for arch in ARCHS:
+        a = write_synth_model(SynthSpec(arch=arch, seed=7), tmp_path / f"{arch}-a.gguf").read_bytes()
+        b = write_synth_model(SynthSpec(arch=arch, seed=7), tmp_path / f"{arch}-b.gguf").read_bytes()
+        c = write_synth_model(SynthSpec(arch=arch, seed=8), tmp_path / f"{arch}-c.gguf").read_bytes()
+        assert a == b
+        assert len(a) == len(c) and a != c
+
+
+@pytest.mark.parametrize("dtype", WRITABLE)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
+    spec = SynthSpec(arch=arch, n_layer=3, n_expert=8, n_expert_used=3, n_embd=64, n_ff_exp=64, n_ff_shexp=96,
+                     n_head=4, n_head_kv=1, n_vocab=300, dtype=dtype, seed=1)
+    path = write_synth_model(spec, tmp_path / "m.gguf")
+    info = read_model_info(path)
+    shared = 1 if arch in ("qwen2moe", "hy_v3") else 0
+    assert info.arch == arch
+    assert info.n_layers == 3 and info.moe_layers == (0, 1, 2)
+    assert info.n_expert == 8 and info.n_expert_used == 3
+    assert info.n_expert_shared == shared
+    assert info.merged_gate_up == (arch == "hy_v3")
+    assert info.gating == ("sigmoid" if arch == "hy_v3" else "softmax")
+    assert info.weights_norm is (arch != "qwen2moe")
+    assert info.file_type == dtype.upper()
+    # one expert: gate + up (n_ff x n_embd each) and down (n_embd x n_ff), in the spec's dtype
+    qtype = gguf.GGMLQuantizationType[dtype.upper()]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    one_matrix = 64 * (64 // block) * type_size
+    assert info.bytes_per_expert == 3 * one_matrix == expected_bytes_per_expert(spec)
+    kinds = {"gate_up.weight": 2 * one_matrix} if arch == "hy_v3" else {"gate.weight": one_matrix,
+                                                                        "up.weight": one_matrix}
+    assert info.bytes_per_expert_tensor == {**kinds, "down.weight": one_matrix}
+    assert info.expert_bytes == 3 * 8 * 3 * one_matrix
+
+
+def test_dense_model_is_not_moe(dense_model: Path) -> None:
+    with pytest.raises(NotMoEError, match="not a Mixture-of-Experts model"):
+        read_model_info(dense_model)
+
+
+def test_tensor_shapes_and_types(synth_models: dict[str, Path]) -> None:
+    for arch, path in synth_models.items():
+        reader = gguf.GGUFReader(str(path))
+        t = {x.name: x for x in reader.tensors}
+        assert list(t["token_embd.weight"].shape) == [64, 512]
+        # the router stays F32; expert tensors are [ne0, ne1, n_expert]
+        assert t["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        if arch == "hy_v3":
+            assert list(t["blk.1.ffn_gate_up_exps.weight"].shape) == [64, 64, 16]
+            assert "blk.1.ffn_gate_exps.weight" not in t
+        else:
+            assert list(t["blk.1.ffn_gate_exps.weight"].shape) == [64, 32, 16]
+        assert list(t["blk.1.ffn_down_exps.weight"].shape) == [32, 64, 16]
+        assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch == "qwen2moe")
+        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch != "qwen3moe")
+
+
+def test_router_is_not_degenerate(synth_models: dict[str, Path]) -> None:
+    """Layer-0 routing of the raw token embeddings: many distinct top-k sets, every expert in use."""
+    for arch, path in synth_models.items():
+        reader = gguf.GGUFReader(str(path))
+        t = {x.name: np.asarray(x.data, dtype=np.float32) for x in reader.tensors}
+        x = t["token_embd.weight"]
+        x = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-6)
+        logits = x @ t["blk.0.ffn_gate_inp.weight"].T
+        top = np.argsort(-logits, axis=1)[:, :4]
+        chosen = {tuple(sorted(row)) for row in top.tolist()}
+        assert len(chosen) > 100, arch
+        counts = np.bincount(top.ravel(), minlength=16)
+        assert counts.min() > 0 and counts.max() < 0.25 * top.size, (arch, counts)
+
+
+def test_tokenizer_layout() -> None:
+    for n_vocab in (MIN_VOCAB, 512, 3000):
+        tok = build_tokenizer(n_vocab)
+        assert len(tok.tokens) == len(set(tok.tokens)) == n_vocab
+        assert len(tok.merges) == n_vocab - MIN_VOCAB
+        assert tok.tokens[tok.bos_id] == "<|endoftext|>" and tok.tokens[tok.eos_id] == "<|im_end|>"
+        assert tok.token_types[-3:] == (3, 3, 3) and set(tok.token_types[:-3]) == {1}
+        known = set(tok.tokens)
+        for m in tok.merges:  # every merge joins two known tokens into a known token
+            a, b = m.split(" ")
+            assert a in known and b in known and a + b in known
+
+
+def test_synth_text_is_deterministic() -> None:
+    assert synth_text(500, seed=3) == synth_text(500, seed=3)
+    assert synth_text(500, seed=3) != synth_text(500, seed=4)
+    assert len(synth_text(1234)) == 1234
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"arch": "mixtral"}, "unknown arch"),
+    ({"dtype": "bf16"}, "unknown dtype"),
+    ({"dtype": "q4_k"}, "cannot be written: the gguf package .* has no quantizer for Q4_K"),
+    ({"n_expert_used": 17}, "n_expert_used must be between 1 and n_expert=16"),
+    ({"n_expert": 1, "n_expert_used": 1}, "n_expert must be >= 2"),
+    ({"n_embd": 60}, "n_embd=60 must be n_head=4 times an even head size"),
+    ({"n_head_kv": 3}, "multiple of n_head_kv"),
+    ({"n_vocab": 100}, f"n_vocab must be >= {MIN_VOCAB}"),
+    ({"dtype": "q8_0", "n_ff_exp": 48}, "n_ff_exp=48 is not a multiple of 32"),
+    ({"seed": -1}, "seed must be >= 0"),
+])
+def test_bad_specs(tmp_path: Path, change: dict[str, object], message: str) -> None:
+    spec = SynthSpec(**change)  # type: ignore[arg-type]
+    with pytest.raises(HarnessError, match=message) as e:
+        write_synth_model(spec, tmp_path / "bad.gguf")
+    assert "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_dtypes_listed() -> None:
+    assert DTYPES[:3] == ("f32", "f16", "q8_0") and "q4_k" in DTYPES
+    for dtype in WRITABLE:
+        check_spec(SynthSpec(dtype=dtype))
+
+
+def test_cli_synth(tmp_path: Path) -> None:
+    out = tmp_path / "cli.gguf"
+    assert main(["synth", "-o", str(out), "--arch", "hy_v3", "--experts", "8", "--top-k", "2",
+                 "--dtype", "q8_0", "--seed", "5"]) == 0
+    spec = SynthSpec(arch="hy_v3", n_expert=8, n_expert_used=2, dtype="q8_0", seed=5)
+    assert out.read_bytes() == write_synth_model(spec, tmp_path / "lib.gguf").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------
+# build smoke: the stock binaries load and run every generated architecture
+
+_PPL = re.compile(r"Final estimate: PPL = (\S+) \+/- (\S+)")
+
+
+def _perplexity(build: Build, model: Path, text: Path) -> float:
+    cmd = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "128", "-b", "128",
+           "-t", "2", "--chunks", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    m = _PPL.search(out)
+    assert m, out[-3000:]
+    return float(m.group(1))
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stock_perplexity_runs(stock_build: Build, synth_models: dict[str, Path], synth_text_file: Path,
+                               arch: str) -> None:
+    ppl = _perplexity(stock_build, synth_models[arch], synth_text_file)
+    assert math.isfinite(ppl) and ppl > 1.0
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0"])
+def test_stock_perplexity_quantized(stock_build: Build, synth_text_file: Path, tmp_path: Path, dtype: str) -> None:
+    model = write_synth_model(SynthSpec(arch="qwen3moe", dtype=dtype), tmp_path / f"{dtype}.gguf")
+    ppl = _perplexity(stock_build, model, synth_text_file)
+    assert math.isfinite(ppl) and ppl > 1.0
