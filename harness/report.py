@@ -1,0 +1,145 @@
+"""Renderers for `harness compare`: pure functions of a `CompareResult` returning a rich renderable (for the
+terminal) or markdown text (for the report file). Every +/- says what it is."""
+
+from __future__ import annotations
+
+import io
+import math
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from harness.compare import FULL, STOCK, ComparePlan, CompareResult, QualityRow, SpeedRow
+from harness.sizes import format_bytes
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return format(x, fmt)
+
+
+def _label(config: str) -> str:
+    return {STOCK: "stock llama.cpp", FULL: "full model (cache off)"}.get(config, config)
+
+
+def speed_unit(result: CompareResult) -> str:
+    return "tokens/s (CPU build)" if result.gpu == "none" else "tokens/s"
+
+
+def plan_lines(plan: ComparePlan) -> list[str]:
+    i = plan.info
+    s = plan.slots
+    lines = [
+        f"model: {i.name} ({i.arch}), {i.n_moe_layers} MoE layers x {i.n_expert} experts, top-{i.n_expert_used}; "
+        f"non-expert weights {format_bytes(i.non_expert_bytes)}, experts {format_bytes(i.expert_bytes)}",
+        f"budget: {format_bytes(plan.budget_bytes)}",
+        f"stock: non-expert weights + {plan.stock_gpu_moe_layers} of {i.n_moe_layers} MoE layers' experts on the "
+        f"device (--n-cpu-moe {plan.stock.n_cpu_moe}); {format_bytes(plan.host_expert_bytes_stock)} of experts "
+        "in host memory",
+        f"patched: non-expert weights + {s.slots_per_layer} cache slots per layer ({s.resident_fraction:.1%} of the "
+        f"experts, {format_bytes(s.cache_bytes)}); all {format_bytes(plan.host_expert_bytes_patched)} of experts "
+        "in host memory",
+    ]
+    return lines + list(plan.notes)
+
+
+def _speed_cells(r: SpeedRow) -> tuple[str, str, str, str]:
+    ci = r.tokens_per_s
+    mean = _num(ci.mean)
+    pm = f"± {_num(ci.half_width)}" if math.isfinite(ci.half_width) else "(n=1, no CI)"
+    vs = "-"
+    if r.vs_stock is not None:
+        vs = f"{r.vs_stock.ratio:.2f}x"
+        if math.isfinite(r.vs_stock.low):
+            vs += f" [{r.vs_stock.low:.2f}, {r.vs_stock.high:.2f}]"
+    return mean, pm, str(ci.n), vs
+
+
+def _quality_cells(r: QualityRow) -> tuple[str, str, str, str, str, str]:
+    ppl = f"{r.ppl:.4f} ± {r.ppl_se:.4f}"
+    if r.delta is not None:
+        d = f"{r.delta.delta_pct:+.2f}% [{r.delta.low:+.2f}, {r.delta.high:+.2f}]"
+    elif r.config in (FULL, STOCK):
+        d = "(reference)" if r.config == FULL else "-"
+    else:
+        d = r.note or "-"
+    c = r.cache
+    sub = _num(c.substitution_rate * 100, ".2f") + "%" if c and c.substitution_rate is not None else "-"
+    mass = _num(c.substituted_mass, ".4f") if c else "-"
+    fetch = _num(c.fetches_per_token, ".2f") if c else "-"
+    return _label(r.config), ppl, d, sub, mass, fetch
+
+
+def render_compare(result: CompareResult) -> Group:
+    """The terminal view: plan, quality table, speed table, budget verdict, warnings."""
+    parts: list[Table | Text] = [Text("\n".join(plan_lines(result.plan)))]
+    if result.quality:
+        t = Table(title="quality (same tokens; PPL ± one SE; delta vs the full model, 95% CI by block bootstrap)",
+                  title_justify="left")
+        for col in ("configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass", "fetches/token"):
+            t.add_column(col, justify="left" if col in ("configuration",) else "right")
+        for q in result.quality:
+            t.add_row(*_quality_cells(q))
+        parts.append(t)
+    if result.speed:
+        t = Table(title=f"speed ({speed_unit(result)}; mean ± 95% CI over repetitions, stock and patched "
+                  "interleaved; ratio to stock with a bootstrap 95% CI)", title_justify="left")
+        for col in ("configuration", "test", "mean", "± 95% CI", "n", "vs stock"):
+            t.add_column(col, justify="left" if col in ("configuration", "test") else "right")
+        for r in result.speed:
+            t.add_row(_label(r.config), r.test, *_speed_cells(r))
+        parts.append(t)
+    parts.append(Text("budget: " + result.budget.message,
+                      style="bold red" if result.budget.over else ("yellow" if not result.budget.ok else "green")))
+    warnings = [w for r in result.speed for w in r.warnings] + list(result.warnings)
+    if warnings:
+        parts.append(Text("\n".join("warning: " + w for w in warnings), style="yellow"))
+    parts.append(Text(f"results: {result.results_path} ({result.n_run} runs now, {result.n_resumed} resumed)"))
+    return Group(*parts)
+
+
+def render_compare_text(result: CompareResult, width: int = 120) -> str:
+    """The terminal view as plain text (for logs and tests)."""
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    console.print(render_compare(result))
+    out = console.file
+    assert isinstance(out, io.StringIO)
+    return out.getvalue()
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def render_compare_markdown(result: CompareResult) -> str:
+    o = result.options
+    lines = ["# harness compare", ""]
+    lines += [f"- {ln}" for ln in plan_lines(result.plan)]
+    lines += [f"- GPU: {result.gpu}; backend: {result.backend}", ""]
+    if result.quality:
+        lines += ["## Quality", "",
+                  f"Text `{o.text}`, context {o.n_ctx}. PPL ± one standard error (as llama-perplexity prints it). "
+                  "Delta PPL is paired against the full model (patched build, cache off) on the same tokens, "
+                  "with a 95% CI from a block bootstrap over chunks "
+                  f"({o.n_boot} replicates, seed {o.seed}). Policies run in emulate mode.", ""]
+        lines.append(_md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass",
+                                "fetches/token"], [list(_quality_cells(q)) for q in result.quality]))
+        lines.append("")
+    if result.speed:
+        lines += ["## Speed", "",
+                  f"llama-bench, {speed_unit(result)}: mean ± 95% CI (Student t) over {o.runs} interleaved "
+                  "repetitions; ratio to stock with a bootstrap 95% CI.", ""]
+        lines.append(_md_table(["configuration", "test", "mean", "± 95% CI", "n", "vs stock"],
+                               [[_label(r.config), r.test, *_speed_cells(r)] for r in result.speed]))
+        lines.append("")
+    lines += ["## Budget", "", result.budget.message, ""]
+    warnings = [w for r in result.speed for w in r.warnings] + list(result.warnings)
+    if warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    lines += ["## Provenance", "", f"Raw records (JSON Lines, schema with provenance and samples): "
+              f"`{result.results_path}`; command: `{' '.join(o.argv) or 'harness compare'}`.", ""]
+    return "\n".join(lines)

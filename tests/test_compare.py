@@ -1,0 +1,282 @@
+"""harness.compare with a fake runner: run order, interleaving, resume, Ctrl-C, budget verification."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.compare import (
+    CompareOptions,
+    Environment,
+    plan_compare,
+    plan_runs,
+    run_compare,
+    verify_budget,
+)
+from harness.errors import HarnessError
+from harness.gguf_model import ExpertTensor, ModelInfo
+from harness.parsers import BenchResult, PerplexityResult
+from harness.parsers.cache_stats import CacheStats
+from harness.parsers.nll import NllData
+from harness.project import Build
+from harness.results import Provenance, ResultsFile
+from harness.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
+from harness.sizes import Size
+
+MiB = 2**20
+N_TOK = 200
+
+
+def _info(layers: int = 4, first_dense: int = 0, n_expert: int = 8, k: int = 2) -> ModelInfo:
+    moe = tuple(range(first_dense, layers))
+    tensors = tuple(ExpertTensor(f"blk.{il}.ffn_{kind}_exps.weight", kind, "weight", "F16", (8, 8, n_expert),
+                                 MiB * n_expert) for il in moe for kind in ("gate", "up", "down"))
+    expert_bytes = sum(t.n_bytes for t in tensors)  # 3 MiB per expert per layer
+    return ModelInfo(path="m.gguf", arch="qwen3moe", name="m", n_layers=layers, moe_layers=moe, n_expert=n_expert,
+                     n_expert_used=k, n_expert_shared=0, gating="softmax", weights_norm=True, merged_gate_up=False,
+                     expert_tensors=tensors, expert_bytes=expert_bytes, non_expert_bytes=10 * MiB,
+                     file_bytes=expert_bytes + 10 * MiB, file_type="F16")
+
+
+class FakeEnv(Environment):
+    def __init__(self, tmp: Path, gpu: str = "none", host: int = 1 << 40) -> None:
+        self.tmp, self._gpu, self._host = tmp, gpu, host
+
+    def builds(self) -> dict[str, Build]:
+        return {n: Build(n, "cpu", self.tmp / n) for n in ("stock", "patched")}
+
+    def provenance(self, builds: dict[str, Build], argv: tuple[str, ...], gpu: str) -> Provenance:
+        return Provenance("llama-cpp-python-x", "0" * 64, "abc", {"stock/llama-bench": "11"}, "cpu", gpu, argv,
+                          "2026-01-01T00:00:00+00:00", host="h", python="3")
+
+    def gpu(self) -> str:
+        return self._gpu
+
+    def host_available_bytes(self) -> int:
+        return self._host
+
+
+class FakeRunner:
+    """Deterministic results: tokens/s by config, per-token NLL shifted by policy; records every call."""
+
+    SHIFT = {"full": 0.0, "stock": 0.0, "quality": 0.001, "speed": 0.05, "fetch-all": 0.0}
+    TPS = {"stock": 10.0, "quality": 25.0, "speed": 30.0, "fetch-all": 12.0}
+
+    def __init__(self, interrupt_after: int | None = None, peak_mib: float | None = None) -> None:
+        self.calls: list[str] = []
+        self.interrupt_after = interrupt_after
+        self.peak_mib = peak_mib
+        self.dumps: dict[Path, NllData] = {}
+
+    def _tick(self, label: str) -> None:
+        if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.calls.append(label)
+
+    def _out(self) -> RunOutput:
+        return RunOutput(("tool",), {}, 0, "", "", 0.1, self.peak_mib)
+
+    def bench(self, build: Build, req: BenchRequest) -> BenchRun:
+        config = req.cache.policy if req.cache is not None else "stock"
+        assert config is not None
+        self._tick(f"bench:{build.name}:{config}")
+        jitter = 1.0 + 0.01 * (len(self.calls) % 3)
+        tps = self.TPS[config] * jitter
+        res = tuple(BenchResult("c", "CPU", "", "m.gguf", 512, 512, 2, 99, req.placement.n_cpu_moe, p, g, 0,
+                                (int((p + g) * 1e9 / (tps * (4 if p else 1))),), tps)
+                    for p, g in ((req.n_prompt, 0), (0, req.n_gen)))
+        return BenchRun(res, self._out())
+
+    def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
+        config = "stock" if build.name == "stock" else (
+            "full" if req.cache is None or req.cache.mode == "off" else str(req.cache.policy))
+        self._tick(f"ppl:{build.name}:{config}")
+        rng = np.random.default_rng(0)
+        base = rng.uniform(1.0, 3.0, N_TOK)
+        nll = base + self.SHIFT[config]
+        if req.nll_dump is not None:
+            self.dumps[req.nll_dump] = NllData(nll, np.repeat(np.arange(4), N_TOK // 4))
+        ppl = float(np.exp(nll.mean()))
+        stats = None if req.cache is None or req.cache.mode == "off" else CacheStats(0.1, 0.02, 1.5, "{}")
+        return PerplexityRun(PerplexityResult(ppl, 0.1, 4, 512, 512, 1, (ppl,)), None, self._out(), stats)
+
+    def load_nll(self, path: Path) -> NllData:
+        if path not in self.dumps:
+            raise HarnessError(f"no dump {path}")
+        return self.dumps[path]
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[CompareOptions, ModelInfo, FakeEnv]:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = CompareOptions(model=model, out=tmp_path / "out", policies=("quality", "speed"), text=text, runs=3,
+                          argv=("harness", "compare"))
+    return opts, _info(), FakeEnv(tmp_path)
+
+
+def test_run_order_quality_first_then_abba_interleaving(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+    runner = FakeRunner()
+    run_compare(opts, runner, info, env=env)
+    assert runner.calls == [
+        "ppl:patched:full", "ppl:stock:stock", "ppl:patched:quality", "ppl:patched:speed",
+        "bench:stock:stock", "bench:patched:quality", "bench:patched:speed",
+        "bench:patched:speed", "bench:patched:quality", "bench:stock:stock",
+        "bench:stock:stock", "bench:patched:quality", "bench:patched:speed",
+    ]
+
+
+def test_results_records_and_summary(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+    res = run_compare(opts, FakeRunner(), info, env=env)
+    records = ResultsFile(opts.out / "results.jsonl").read()
+    assert len(records) == 13 and res.n_run == 13
+    for rec in records:
+        assert rec["schema_version"] == 1
+        assert rec["provenance"]["pin"] == "llama-cpp-python-x" and rec["provenance"]["argv"] == ["harness", "compare"]
+    bench = [r for r in records if r["kind"] == "bench"]
+    assert all(len(t["samples_ns"]) == 1 for r in bench for t in r["tests"])
+    # quality: paired deltas vs the full model; the shift of 0.05 nats is +5.13%, exactly (constant shift)
+    q = {r.config: r for r in res.quality}
+    assert q["speed"].delta is not None and q["speed"].delta.delta_pct == pytest.approx(100 * np.expm1(0.05))
+    assert q["quality"].delta is not None and not q["quality"].delta.ci_contains_zero
+    assert q["full"].delta is None and q["quality"].cache is not None
+    assert q["quality"].cache.substitution_rate == pytest.approx(0.1)
+    # speed: 3 samples per config and test; patched/stock ratio near 25/10
+    tg = {r.config: r for r in res.speed if r.test == "tg128"}
+    assert tg["stock"].tokens_per_s.n == 3
+    assert tg["quality"].vs_stock is not None and tg["quality"].vs_stock.ratio == pytest.approx(2.5, rel=0.03)
+    assert not res.budget.has_gpu and "no GPU" in res.budget.message
+    assert any("CPU build" in n for n in res.notes)
+
+
+def test_ctrl_c_keeps_finished_runs_and_resume_skips_them(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+    first = FakeRunner(interrupt_after=6)
+    res = run_compare(opts, first, info, env=env)
+    assert res.interrupted and res.n_run == 6
+    assert any("interrupted" in w for w in res.warnings)
+    assert len(ResultsFile(opts.out / "results.jsonl").read()) == 6
+    second = FakeRunner()
+    second.dumps = first.dumps  # the dumps the first run wrote are still on disk
+    res2 = run_compare(opts, second, info, env=env)
+    assert not res2.interrupted and res2.n_resumed == 6 and res2.n_run == 7
+    assert second.calls[0] == "bench:patched:speed" and len(second.calls) == 7
+    keys = [r["key"] for r in ResultsFile(opts.out / "results.jsonl").read()]
+    assert len(keys) == len(set(keys)) == 13
+    third = FakeRunner()
+    third.dumps = first.dumps
+    assert run_compare(opts, third, info, env=env).n_run == 0 and third.calls == []
+
+
+def test_a_torn_last_line_is_redone(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+    runner = FakeRunner(interrupt_after=2)
+    run_compare(opts, runner, info, env=env)
+    path = opts.out / "results.jsonl"
+    path.write_text(path.read_text() + '{"schema_version": 1, "key": "ppl:qual')  # killed mid-write
+    second = FakeRunner()
+    second.dumps = runner.dumps
+    res = run_compare(opts, second, info, env=env)
+    assert second.calls[0] == "ppl:patched:quality"
+    assert any("damaged record" in w for w in res.warnings)
+
+
+def test_resume_refuses_results_of_another_configuration(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+    run_compare(opts, FakeRunner(interrupt_after=1), info, env=env)
+    changed = CompareOptions(**{**opts.__dict__, "n_ctx": 1024})
+    with pytest.raises(HarnessError, match="different configuration"):
+        run_compare(changed, FakeRunner(), info, env=env)
+
+
+def test_a_crashed_run_propagates_and_keeps_earlier_records(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+
+    class Crashing(FakeRunner):
+        def bench(self, build: Build, req: BenchRequest) -> BenchRun:
+            raise HarnessError("llama-bench exited with 1")
+
+    with pytest.raises(HarnessError, match="exited with 1"):
+        run_compare(opts, Crashing(), info, env=env)
+    assert len(ResultsFile(opts.out / "results.jsonl").read()) == 4  # the four quality runs
+
+
+def test_stock_and_cache_off_must_agree(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+
+    class Diverging(FakeRunner):
+        SHIFT = {**FakeRunner.SHIFT, "stock": 0.01}
+
+    res = run_compare(opts, Diverging(), info, env=env)
+    assert any("must agree" in w for w in res.warnings)
+    assert not any("must agree" in w for w in run_compare(
+        CompareOptions(**{**opts.__dict__, "out": opts.out.parent / "o2"}), FakeRunner(), info, env=env).warnings)
+
+
+def test_unknown_policy_and_missing_text(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+    with pytest.raises(HarnessError, match="unknown policy nope"):
+        run_compare(CompareOptions(**{**opts.__dict__, "policies": ("quality", "nope")}), FakeRunner(), info, env=env)
+    with pytest.raises(HarnessError, match="cannot read the text"):
+        run_compare(CompareOptions(**{**opts.__dict__, "text": Path("/nonexistent.txt")}), FakeRunner(), info,
+                    env=env)
+
+
+def test_budget_verified_from_measured_peaks(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, _ = setup
+    gpu_env = FakeEnv(opts.model.parent, gpu="NVIDIA RTX 3090")
+    budget_mib = plan_compare(info, None).budget_bytes / MiB  # 10 MiB + 25% of 96 MiB = 34 MiB
+    res = run_compare(opts, FakeRunner(peak_mib=budget_mib - 1), info, env=gpu_env)
+    assert res.budget.ok and "within the budget" in res.budget.message
+    over = run_compare(CompareOptions(**{**opts.__dict__, "out": opts.out.parent / "o3"}),
+                       FakeRunner(peak_mib=budget_mib + 5), info, env=gpu_env)
+    assert len(over.budget.over) == 13 and "over the budget" in over.budget.message
+
+
+def test_verify_budget_cases() -> None:
+    budget = 100 * MiB
+    v = verify_budget([("a", "stock", 90.0, "nvidia-smi"), ("b", "quality", 101.0, "memory breakdown"),
+                       ("c", "speed", None, "")], budget, True)
+    assert [c.key for c in v.over] == ["b"]
+    assert "1 run over the budget of 100 MiB: b (101 MiB)" in v.message
+    assert "1 run without a device-memory measurement: c" in v.message
+    assert not v.ok
+    assert verify_budget([("a", "stock", 100.5, "x")], budget, True, tolerance_mib=1).ok
+    cpu = verify_budget([("a", "stock", None, "")], budget, False)
+    assert not cpu.ok and "no GPU" in cpu.message and "CPU build" in cpu.message
+
+
+def test_plan_compare_placements() -> None:
+    info = _info(layers=6, first_dense=2)  # MoE layers 2..5, 24 MiB of experts each
+    budget = Size(bytes=10 * MiB + 2 * 24 * MiB + MiB)  # room for two whole MoE layers
+    p = plan_compare(info, budget)
+    assert p.stock_gpu_moe_layers == 2
+    assert p.stock.n_cpu_moe == 4  # experts of layers 0..3 on the CPU: MoE layers 2 and 3
+    assert p.patched.n_cpu_moe == 6  # every expert tensor in host memory
+    assert p.slots.slots_per_layer == 4 and p.host_expert_bytes_stock == 2 * 24 * MiB
+    wide = _info(layers=6, first_dense=2, n_expert=16)  # 48 MiB of experts per MoE layer
+    narrow = plan_compare(wide, Size(bytes=10 * MiB + 30 * MiB))  # no whole layer fits, 2 slots per layer do
+    assert narrow.stock.n_cpu_moe == 6 and narrow.stock_gpu_moe_layers == 0
+    assert narrow.slots.slots_per_layer == 2
+    whole = plan_compare(info, Size(bytes=1 << 30))
+    assert whole.stock.n_cpu_moe == 0 and whole.fits_whole_model
+    assert any("nothing is offloaded" in n for n in whole.notes)
+    default = plan_compare(info, None)
+    assert any("no --vram" in n for n in default.notes) and default.slots.slots_per_layer == 2
+    ram = plan_compare(info, None, host_available_bytes=80 * MiB)
+    assert any("patched" in n and "mmap" in n for n in ram.notes)
+    assert not any(n.startswith("stock") and "mmap" in n for n in ram.notes)  # stock needs 72 MiB of host RAM
+
+
+def test_plan_runs_without_text_has_no_quality_runs(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, _ = setup
+    runs = plan_runs(CompareOptions(**{**opts.__dict__, "text": None, "runs": 1}), plan_compare(info, None))
+    assert [r.key for r in runs] == ["bench:stock:0", "bench:quality:0", "bench:speed:0"]
+    cache = runs[1].bench.cache if runs[1].bench else None
+    assert cache is not None and cache.render().startswith("mode=engine,policy=quality,slots=2,stats=")
