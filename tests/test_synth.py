@@ -162,15 +162,20 @@ def test_cli_synth(tmp_path: Path) -> None:
 _PPL = re.compile(r"Final estimate: PPL = (\S+) \+/- (\S+)")
 
 
-def _perplexity(build: Build, model: Path, text: Path) -> float:
+def _perplexity(build: Build, model: Path, text: Path, *extra: str) -> float:
     cmd = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "128", "-b", "128",
-           "-t", "2", "--chunks", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    m = _PPL.search(out)
-    assert m, out[-3000:]
-    return float(m.group(1))
+           "-t", "2", "--chunks", "4", *extra]
+    out = ""
+    # llama.cpp's asynchronous logger can drop the last lines at exit (ggml-org/llama.cpp#22142): about one
+    # run in four of the pinned llama-perplexity exits 0 without "Final estimate". Run it again then.
+    for _ in range(4):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        m = _PPL.search(out)
+        if m:
+            return float(m.group(1))
+    raise AssertionError(f"no 'Final estimate' in 4 runs of {' '.join(cmd)}:\n{out[-3000:]}")
 
 
 @pytest.mark.build
@@ -183,7 +188,11 @@ def test_stock_perplexity_runs(stock_build: Build, synth_models: dict[str, Path]
 
 @pytest.mark.build
 @pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0"])
-def test_stock_perplexity_quantized(stock_build: Build, synth_text_file: Path, tmp_path: Path, dtype: str) -> None:
-    model = write_synth_model(SynthSpec(arch="qwen3moe", dtype=dtype), tmp_path / f"{dtype}.gguf")
-    ppl = _perplexity(stock_build, model, synth_text_file)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stock_perplexity_quantized(stock_build: Build, synth_text_file: Path, tmp_path: Path, arch: str,
+                                    dtype: str) -> None:
+    model = write_synth_model(SynthSpec(arch=arch, dtype=dtype), tmp_path / f"{arch}-{dtype}.gguf")
+    # --no-repack: keep the quantized weights out of the CPU's extra buffer types; on this machine the
+    # AMX one (built by -march=native) dies with SIGILL in tinygemm_kernel_amx<block_q8_0>.
+    ppl = _perplexity(stock_build, model, synth_text_file, "--no-repack")
     assert math.isfinite(ppl) and ppl > 1.0
