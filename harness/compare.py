@@ -29,9 +29,9 @@ import psutil
 from harness import project
 from harness.costmodel import stock_gpu_moe_layers
 from harness.errors import HarnessError
+from harness.expert_trace import NllDump
 from harness.gguf_model import ModelInfo
 from harness.parsers.cache_stats import CacheStats
-from harness.parsers.nll import NllData
 from harness.plan import SlotPlan, budget_bytes, plan_slots
 from harness.results import Provenance, ResultsFile, make_record, utc_now
 from harness.runners import (
@@ -40,6 +40,7 @@ from harness.runners import (
     PerplexityRequest,
     Placement,
     Runner,
+    ToolCrashedError,
 )
 from harness.sizes import Size, format_bytes
 from harness.stats import (
@@ -53,9 +54,18 @@ from harness.stats import (
 )
 
 DEFAULT_RESIDENCY = Size(fraction=0.25)
-# Presets and rules the cache understands (DESIGN.md section 2). Adapt with docs/expert-cache.md.
-KNOWN_POLICIES = ("quality", "speed", "fetch-all", "fetch-all-lru", "fetch-all-lfu", "substitute-all",
-                  "rule-0.15", "first-choice")
+# Named cache configurations (docs/expert-cache.md): the three presets, and the bare miss rules with LFU
+# eviction and no admission (the rules of the study's first finding; "rule-0.15" is "quality" without
+# admission, so the two compare admission).
+POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
+    "quality": (("policy", "quality"),),
+    "speed": (("policy", "speed"),),
+    "fetch-all": (("policy", "fetch-all"),),
+    "rule-0.15": (("rule", "threshold"), ("tau", "0.15"), ("evict", "lfu"), ("admit", "off")),
+    "first-choice": (("rule", "first-choice"), ("evict", "lfu"), ("admit", "off")),
+    "substitute-all": (("rule", "substitute-all"), ("evict", "lfu"), ("admit", "off")),
+}
+KNOWN_POLICIES = tuple(POLICIES)
 STOCK = "stock"
 FULL = "full"
 
@@ -75,7 +85,7 @@ class CompareOptions:
     text: Path | None = None  # None: no quality runs
     runs: int = 5
     n_ctx: int = 512
-    n_batch: int = 512
+    n_batch: int | None = None  # None: n_ctx (one sequence per batch: token order = decode order)
     chunks: int | None = None
     n_prompt: int = 512
     n_gen: int = 128
@@ -107,12 +117,20 @@ class ComparePlan:
 
 
 def check_policies(policies: Sequence[str]) -> None:
-    unknown = [p for p in policies if p not in KNOWN_POLICIES]
+    unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise HarnessError(f"unknown polic{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}: "
                            f"use {', '.join(KNOWN_POLICIES)}")
     if not policies:
         raise HarnessError("no policies to compare")
+
+
+def policy_cache_spec(policy: str, mode: str, slots: int, stats: str | None) -> CacheSpec:
+    """The cache spec of a named configuration (POLICIES) in `mode` with `slots` per layer."""
+    items = POLICIES[policy]
+    preset = dict(items).get("policy")
+    extra = tuple((k, v) for k, v in items if k != "policy")
+    return CacheSpec(mode, preset, slots, stats, extra)
 
 
 def _n_cpu_moe_for(info: ModelInfo, gpu_moe_layers: int) -> int:
@@ -179,8 +197,8 @@ def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
         def ppl(config: str, placement: Placement, cache: CacheSpec | None, dump: bool) -> PerplexityRequest:
             return PerplexityRequest(
                 model=opts.model, text=opts.text or Path(), placement=placement, n_ctx=opts.n_ctx,
-                n_batch=opts.n_batch, chunks=opts.chunks, threads=opts.threads, cache=cache,
-                nll_dump=opts.out / "nll" / f"{_safe(config)}.bin" if dump else None)
+                n_batch=opts.n_batch or opts.n_ctx, chunks=opts.chunks, threads=opts.threads, cache=cache,
+                nll_dump=opts.out / "nll" / f"{_safe(config)}.bin" if dump else None, label=config)
 
         runs.append(RunSpec("ppl:full", "ppl", "patched", FULL, None,
                             ppl=ppl(FULL, plan.patched, CacheSpec("off"), True)))
@@ -188,19 +206,20 @@ def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
         for pol in opts.policies:
             stats = str(opts.out / "stats" / f"ppl-{_safe(pol)}.json")
             runs.append(RunSpec(f"ppl:{pol}", "ppl", "patched", pol, None,
-                                ppl=ppl(pol, plan.patched, CacheSpec("emulate", pol, slots, stats), True)))
+                                ppl=ppl(pol, plan.patched, policy_cache_spec(pol, "emulate", slots, stats), True)))
     if opts.speed:
         configs = [STOCK, *opts.policies]
         for rep in range(opts.runs):
             order = configs if rep % 2 == 0 else list(reversed(configs))
             for config in order:
                 if config == STOCK:
-                    req = BenchRequest(opts.model, plan.stock, opts.n_prompt, opts.n_gen, 1, opts.threads)
+                    req = BenchRequest(opts.model, plan.stock, opts.n_prompt, opts.n_gen, 1, opts.threads, label=STOCK)
                     runs.append(RunSpec(f"bench:stock:{rep}", "bench", "stock", STOCK, rep, bench=req))
                 else:
                     stats = str(opts.out / "stats" / f"bench-{_safe(config)}-{rep}.json")
-                    cache = CacheSpec(opts.bench_cache_mode, config, slots, stats)
-                    req = BenchRequest(opts.model, plan.patched, opts.n_prompt, opts.n_gen, 1, opts.threads, cache)
+                    cache = policy_cache_spec(config, opts.bench_cache_mode, slots, stats)
+                    req = BenchRequest(opts.model, plan.patched, opts.n_prompt, opts.n_gen, 1, opts.threads, cache,
+                                       label=config)
                     runs.append(RunSpec(f"bench:{config}:{rep}", "bench", "patched", config, rep, bench=req))
     return runs
 
@@ -323,7 +342,7 @@ def summarize_speed(records: Sequence[dict[str, Any]], configs: Sequence[str], *
     return tuple(rows)
 
 
-def summarize_quality(records: Sequence[dict[str, Any]], nll: dict[str, NllData], configs: Sequence[str], *,
+def summarize_quality(records: Sequence[dict[str, Any]], nll: dict[str, NllDump], configs: Sequence[str], *,
                       n_boot: int = 2000, seed: int = 0) -> tuple[tuple[QualityRow, ...], tuple[str, ...]]:
     """Perplexity of every config and the paired delta against the full model where both NLL dumps exist."""
     by_config = {r["config"]: r for r in records if r.get("kind") == "ppl"}
@@ -341,18 +360,14 @@ def summarize_quality(records: Sequence[dict[str, Any]], nll: dict[str, NllData]
         rec = by_config.get(config)
         if rec is None:
             continue
-        cache = None
-        if rec.get("cache_stats") is not None:
-            cs = rec["cache_stats"]
-            cache = CacheStats(cs.get("substitution_rate"), cs.get("substituted_mass"), cs.get("fetches_per_token"),
-                               "")
+        cache = CacheStats.from_dict(rec["cache_stats"]) if rec.get("cache_stats") is not None else None
         delta = None
         note = ""
         if config not in (FULL, STOCK):
             data = nll.get(config)
             if full is None or data is None:
                 note = "no paired delta: per-token NLL dump unavailable"
-            elif data.nll.shape != full.nll.shape or not (data.chunk == full.chunk).all():
+            elif data.nll.shape != full.nll.shape or not (data.tokens == full.tokens).all():
                 note = "no paired delta: the NLL dumps do not cover the same tokens"
             else:
                 delta = paired_delta_ppl(full.nll, data.nll, full.chunk, n_boot=n_boot, seed=seed)
@@ -477,6 +492,7 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     n_run = 0
     interrupted = False
     new_records: list[dict[str, Any]] = []
+    no_engine = False
     try:
         for i, spec in enumerate(specs):
             if spec.key in done:
@@ -493,8 +509,21 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
                 data = _ppl_record(spec, runner.perplexity(build, spec.ppl))
             else:
                 assert spec.bench is not None
+                if spec.build == "patched" and no_engine:
+                    progress(i + 1, total, f"{spec.key} (skipped: no engine mode)")
+                    continue
                 _fresh(Path(spec.bench.cache.stats) if spec.bench.cache and spec.bench.cache.stats else None)
-                data = _bench_record(spec, runner.bench(build, spec.bench))
+                try:
+                    data = _bench_record(spec, runner.bench(build, spec.bench))
+                except ToolCrashedError as e:
+                    mode = spec.bench.cache.mode if spec.bench.cache else ""
+                    if mode and f"bad value '{mode}' for key 'mode'" in str(e):
+                        no_engine = True
+                        notes.append(f"the patched build has no '{mode}' mode (docs/expert-cache.md): the patched "
+                                     "build's speed is not measured, only stock's")
+                        progress(i + 1, total, f"{spec.key} (skipped: no {mode} mode)")
+                        continue
+                    raise
             data["fingerprint"] = fp
             rec = make_record(spec.key, spec.kind, prov, data, started=started)
             results.append(rec)
@@ -506,7 +535,7 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
 
     records = [r for r in results.read() if r.get("kind") in ("ppl", "bench")]
     warnings = list(results.warnings)
-    nll: dict[str, NllData] = {}
+    nll: dict[str, NllDump] = {}
     nll_errors: set[str] = set()
     for rec in records:
         if rec.get("kind") == "ppl" and rec.get("nll_dump"):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.errors import HarnessError
+from harness.expert_trace import NllDump, read_nll_dump_file
 from harness.parsers import (
     BenchResult,
     MemoryBreakdown,
@@ -31,11 +32,10 @@ from harness.parsers import (
     tail,
 )
 from harness.parsers.cache_stats import CacheStats, parse_cache_stats
-from harness.parsers.nll import NllData, read_nll_dump
 from harness.project import Build
 
-CACHE_ENV_VAR = "LLAMA_MOE_CACHE"
-CACHE_MODES = ("off", "emulate", "engine")
+CACHE_ENV_VAR = "LLAMA_MOE_CACHE"  # docs/expert-cache.md
+CACHE_MODES = ("off", "emulate", "engine")  # engine: part 2 of the cache, not in every patched build yet
 
 
 class ToolCrashedError(HarnessError):
@@ -180,7 +180,7 @@ def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None =
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise ToolTimeoutError(f"{tool.name} ran past its timeout of {timeout_s:.0f} s and was stopped; "
+        raise ToolTimeoutError(f"{tool.name} ran past its timeout of {timeout_s:g} s and was stopped; "
                                f"last lines:\n{tail(stdout + chr(10) + stderr)}") from None
     except BaseException:
         proc.kill()
@@ -219,6 +219,7 @@ class BenchRequest:
     threads: int | None = None
     cache: CacheSpec | None = None
     extra_args: tuple[str, ...] = ()
+    label: str = ""  # the configuration's name in reports
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ class PerplexityRequest:
     cache: CacheSpec | None = None
     nll_dump: Path | None = None
     extra_args: tuple[str, ...] = ()
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,7 @@ class PerplexityRun:
     memory: MemoryBreakdown | None
     output: RunOutput
     cache_stats: CacheStats | None = None
+    attempts: int = 1
 
 
 class Runner(Protocol):
@@ -256,7 +259,7 @@ class Runner(Protocol):
 
     def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun: ...
 
-    def load_nll(self, path: Path) -> NllData: ...
+    def load_nll(self, path: Path) -> NllDump: ...
 
 
 def bench_args(req: BenchRequest) -> list[str]:
@@ -292,10 +295,15 @@ def _cache_env(cache: CacheSpec | None) -> dict[str, str]:
 
 
 class ToolRunner:
-    """Runs the real binaries of a build."""
+    """Runs the real binaries of a build.
 
-    def __init__(self, timeout_s: float = 3600) -> None:
+    llama-perplexity logs through an asynchronous queue that upstream does not flush at exit
+    (common/log.cpp, `common_log_main`), so a run that exits 0 sometimes lacks its last lines (the final
+    estimate, the memory breakdown); such a run is repeated, up to `attempts` times in all."""
+
+    def __init__(self, timeout_s: float = 3600, attempts: int = 3) -> None:
         self.timeout_s = timeout_s
+        self.attempts = attempts
 
     def bench(self, build: Build, req: BenchRequest) -> BenchRun:
         if req.cache is not None and build.name != "patched":
@@ -312,21 +320,31 @@ class ToolRunner:
         if (req.cache is not None or req.nll_dump is not None) and build.name != "patched":
             raise HarnessError("a cache configuration or an NLL dump needs the patched build, "
                                f"not {build.name}")
-        out = run_tool(build.tool("llama-perplexity"), perplexity_args(req), env=_cache_env(req.cache),
-                       timeout_s=self.timeout_s)
-        result = parse_perplexity(out.text)
-        try:
-            memory: MemoryBreakdown | None = parse_memory_breakdown(out.stderr)
-        except ParseError:
-            memory = None
-        return PerplexityRun(result, memory, out, _read_cache_stats(req.cache))
+        for attempt in range(1, self.attempts + 1):
+            out = run_tool(build.tool("llama-perplexity"), perplexity_args(req), env=_cache_env(req.cache),
+                           timeout_s=self.timeout_s)
+            try:
+                result = parse_perplexity(out.text)
+                memory: MemoryBreakdown | None = parse_memory_breakdown(out.stderr)
+            except ParseError as e:
+                if attempt < self.attempts and output_was_cut(out.text):
+                    continue
+                if "memory breakdown" not in e.what:
+                    raise
+                memory = None
+            return PerplexityRun(result, memory, out, _read_cache_stats(req.cache), attempt)
+        raise AssertionError("unreachable")
 
-    def load_nll(self, path: Path) -> NllData:
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise HarnessError(f"cannot read the NLL dump {path}: {e.strerror}") from None
-        return read_nll_dump(data)
+    def load_nll(self, path: Path) -> NllDump:
+        if not path.is_file():
+            raise HarnessError(f"the NLL dump {path} is missing: delete its record from results.jsonl to redo the run")
+        return read_nll_dump_file(path)
+
+
+def output_was_cut(text: str) -> bool:
+    """Did a llama-perplexity run that exited 0 lose the end of its output? (The memory breakdown, printed
+    at -lv 4, is the last thing it logs.)"""
+    return "common_memory_breakdown_print: " not in text and "you need at least" not in text
 
 
 def _read_cache_stats(cache: CacheSpec | None) -> CacheStats | None:

@@ -12,17 +12,18 @@ from harness.compare import (
     Environment,
     plan_compare,
     plan_runs,
+    policy_cache_spec,
     run_compare,
     verify_budget,
 )
 from harness.errors import HarnessError
+from harness.expert_trace import NllDump
 from harness.gguf_model import ExpertTensor, ModelInfo
 from harness.parsers import BenchResult, PerplexityResult
 from harness.parsers.cache_stats import CacheStats
-from harness.parsers.nll import NllData
 from harness.project import Build
 from harness.results import Provenance, ResultsFile
-from harness.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
+from harness.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput, ToolCrashedError
 from harness.sizes import Size
 
 MiB = 2**20
@@ -68,7 +69,7 @@ class FakeRunner:
         self.calls: list[str] = []
         self.interrupt_after = interrupt_after
         self.peak_mib = peak_mib
-        self.dumps: dict[Path, NllData] = {}
+        self.dumps: dict[Path, NllDump] = {}
 
     def _tick(self, label: str) -> None:
         if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
@@ -79,8 +80,8 @@ class FakeRunner:
         return RunOutput(("tool",), {}, 0, "", "", 0.1, self.peak_mib)
 
     def bench(self, build: Build, req: BenchRequest) -> BenchRun:
-        config = req.cache.policy if req.cache is not None else "stock"
-        assert config is not None
+        config = req.label
+        assert (config == "stock") == (req.cache is None)
         self._tick(f"bench:{build.name}:{config}")
         jitter = 1.0 + 0.01 * (len(self.calls) % 3)
         tps = self.TPS[config] * jitter
@@ -90,19 +91,20 @@ class FakeRunner:
         return BenchRun(res, self._out())
 
     def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
-        config = "stock" if build.name == "stock" else (
-            "full" if req.cache is None or req.cache.mode == "off" else str(req.cache.policy))
+        config = req.label
+        assert (config == "full") == (req.cache is not None and req.cache.mode == "off")
         self._tick(f"ppl:{build.name}:{config}")
         rng = np.random.default_rng(0)
         base = rng.uniform(1.0, 3.0, N_TOK)
         nll = base + self.SHIFT[config]
         if req.nll_dump is not None:
-            self.dumps[req.nll_dump] = NllData(nll, np.repeat(np.arange(4), N_TOK // 4))
+            self.dumps[req.nll_dump] = NllDump(2 * (N_TOK // 4 + 1), N_TOK // 4 + 1, 4,
+                                               np.arange(N_TOK, dtype=np.int32), nll)
         ppl = float(np.exp(nll.mean()))
         stats = None if req.cache is None or req.cache.mode == "off" else CacheStats(0.1, 0.02, 1.5, "{}")
         return PerplexityRun(PerplexityResult(ppl, 0.1, 4, 512, 512, 1, (ppl,)), None, self._out(), stats)
 
-    def load_nll(self, path: Path) -> NllData:
+    def load_nll(self, path: Path) -> NllDump:
         if path not in self.dumps:
             raise HarnessError(f"no dump {path}")
         return self.dumps[path]
@@ -280,3 +282,31 @@ def test_plan_runs_without_text_has_no_quality_runs(setup: tuple[CompareOptions,
     assert [r.key for r in runs] == ["bench:stock:0", "bench:quality:0", "bench:speed:0"]
     cache = runs[1].bench.cache if runs[1].bench else None
     assert cache is not None and cache.render().startswith("mode=engine,policy=quality,slots=2,stats=")
+
+
+def test_patched_build_without_engine_mode_measures_stock_only(
+        setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    opts, info, env = setup
+
+    class NoEngine(FakeRunner):
+        def bench(self, build: Build, req: BenchRequest) -> BenchRun:
+            if req.cache is not None:
+                self.calls.append(f"refused:{req.label}")
+                raise ToolCrashedError("llama-bench exited with 1\n  last lines:\n    LLAMA_MOE_CACHE='mode=engine,"
+                                       "policy=quality': bad value 'engine' for key 'mode' (accepted: off, emulate)")
+            return super().bench(build, req)
+
+    runner = NoEngine()
+    res = run_compare(opts, runner, info, env=env)
+    assert [c for c in runner.calls if c.startswith(("bench", "refused"))] == [
+        "bench:stock:stock", "refused:quality", "bench:stock:stock", "bench:stock:stock"]
+    assert any("no 'engine' mode" in n for n in res.notes)
+    assert {r.config for r in res.speed} == {"stock"} and len(res.quality) == 4
+
+
+def test_policy_specs_follow_the_documented_keys() -> None:
+    assert policy_cache_spec("quality", "emulate", 16, None).render() == "mode=emulate,policy=quality,slots=16"
+    assert policy_cache_spec("rule-0.15", "emulate", 16, "s.json").render() == (
+        "mode=emulate,slots=16,stats=s.json,rule=threshold,tau=0.15,evict=lfu,admit=off")
+    assert policy_cache_spec("substitute-all", "engine", 8, None).render() == (
+        "mode=engine,slots=8,rule=substitute-all,evict=lfu,admit=off")

@@ -1,9 +1,8 @@
 """The expert cache's statistics JSON (patched build, `stats=PATH` in the cache spec).
 
-PROVISIONAL: the cache's documentation (docs/expert-cache.md) does not define the schema yet. This reader
-accepts the three figures the harness reports under the names below, at the top level or inside a
-"totals" / "summary" / "total" object, and keeps the whole document as text so nothing is lost. Adapt
-the names here (one place) when the schema is documented.
+Schema `moe-subst/expert-cache-stats`, `schema_version` 1, as docs/expert-cache.md defines it: counters
+for all MoE layers together under "total" (and per layer under "layers", kept in `raw`). Written by
+`llama_expert_cache::write_stats` (src/llama-expert-cache.cpp of the patched tree).
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ from typing import Any
 
 from harness.parsers.base import ParseError
 
-_FIELDS: dict[str, tuple[str, ...]] = {
-    "substitution_rate": ("substitution_rate", "sub_rate"),
-    "substituted_mass": ("substituted_mass", "mass", "substituted_gate_mass"),
-    "fetches_per_token": ("fetches_per_token", "fetch_per_token"),
-}
-_NESTS = ("totals", "summary", "total")
+SCHEMA = "moe-subst/expert-cache-stats"
+SCHEMA_VERSION = 1
+_RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rate")
+_COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens")
 
 
 @dataclass(frozen=True)
@@ -29,19 +26,23 @@ class CacheStats:
     substituted_mass: float | None  # mean substituted gate mass per token-layer
     fetches_per_token: float | None
     raw: str  # the JSON document as written by the engine
+    hit_rate: float | None = None
+    calls: int | None = None
+    substitutions: int | None = None
+    subst_first_choice: int | None = None
+    fetches: int | None = None
+    admissions: int | None = None
+    tokens: int | None = None
+    policy: str = ""  # the preset name, or "custom"
 
-    def as_dict(self) -> dict[str, float | None]:
-        return {k: getattr(self, k) for k in _FIELDS}
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in (*_RATES, *_COUNTS, "policy")}
 
-
-def _lookup(doc: dict[str, Any], names: tuple[str, ...]) -> float | None:
-    scopes = [doc] + [doc[n] for n in _NESTS if isinstance(doc.get(n), dict)]
-    for scope in scopes:
-        for name in names:
-            v = scope.get(name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                return float(v)
-    return None
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> CacheStats:
+        """The inverse of `as_dict` (for records read back from results.jsonl)."""
+        return CacheStats(d.get("substitution_rate"), d.get("substituted_mass"), d.get("fetches_per_token"), "",
+                          **{k: d.get(k) for k in ("hit_rate", *_COUNTS)}, policy=str(d.get("policy", "")))
 
 
 def parse_cache_stats(text: str) -> CacheStats:
@@ -49,13 +50,27 @@ def parse_cache_stats(text: str) -> CacheStats:
         doc = json.loads(text)
     except ValueError as e:
         raise ParseError(f"the cache statistics are not JSON ({e})", text, source="the expert cache") from None
-    if not isinstance(doc, dict):
-        raise ParseError("the cache statistics are not a JSON object", text, source="the expert cache")
-    values = {k: _lookup(doc, names) for k, names in _FIELDS.items()}
-    if all(v is None for v in values.values()):
-        raise ParseError(f"the cache statistics have none of {', '.join(_FIELDS)}", text,
-                         source="the expert cache")
-    for k, v in values.items():
-        if v is not None and (not math.isfinite(v) or v < 0):
-            raise ParseError(f"the cache statistic {k} is {v}", text, source="the expert cache")
-    return CacheStats(values["substitution_rate"], values["substituted_mass"], values["fetches_per_token"], text)
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ParseError(f"not a {SCHEMA} document", text, source="the expert cache")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ParseError(f"{SCHEMA} schema_version {doc.get('schema_version')!r}; this harness reads "
+                         f"{SCHEMA_VERSION}", text, source="the expert cache")
+    total = doc.get("total")
+    if not isinstance(total, dict):
+        raise ParseError("the cache statistics have no 'total' object", text, source="the expert cache")
+    rates: dict[str, float] = {}
+    for k in _RATES:
+        v = total.get(k)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ParseError(f"the cache statistic total.{k} is {v!r}", text, source="the expert cache")
+        rates[k] = float(v)
+    counts: dict[str, int] = {}
+    for k in _COUNTS:
+        v = total.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ParseError(f"the cache counter total.{k} is {v!r}", text, source="the expert cache")
+        counts[k] = v
+    config = doc.get("config")
+    policy = str(config.get("policy", "")) if isinstance(config, dict) else ""
+    return CacheStats(rates["substitution_rate"], rates["substituted_mass"], rates["fetches_per_token"], text,
+                      rates["hit_rate"], policy=policy, **counts)

@@ -1,0 +1,68 @@
+"""harness.results: the JSON Lines writer and reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.errors import HarnessError
+from harness.results import SCHEMA_VERSION, Provenance, ResultsFile, make_record
+
+PROV = Provenance("llama-cpp-python-0.3.36", "ab" * 32, "0123456789abcdef", {"stock/llama-bench": "ff" * 8}, "cpu",
+                  "none", ("harness", "compare"), "2026-11-29T00:00:00+00:00")
+
+
+def test_records_carry_schema_provenance_and_raw_samples(tmp_path: Path) -> None:
+    f = ResultsFile(tmp_path / "r" / "results.jsonl")
+    f.append(make_record("bench:stock:0", "bench", PROV, {"config": "stock", "tests": [{"samples_ns": [5, 6]}]},
+                         started="2026-11-29T00:00:01+00:00"))
+    f.append(make_record("bench:quality:0", "bench", PROV, {"config": "quality"}))
+    lines = (tmp_path / "r" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    rec = json.loads(lines[0])
+    assert rec["schema_version"] == SCHEMA_VERSION and rec["key"] == "bench:stock:0" and rec["kind"] == "bench"
+    assert rec["tests"][0]["samples_ns"] == [5, 6]
+    assert rec["provenance"]["patch_series"] == "0123456789abcdef"
+    assert rec["provenance"]["binaries"] == {"stock/llama-bench": "ff" * 8}
+    assert rec["provenance"]["argv"] == ["harness", "compare"] and rec["provenance"]["gpu"] == "none"
+    assert rec["started"] < rec["finished"]
+    assert f.finished_keys() == {"bench:stock:0", "bench:quality:0"}
+
+
+def test_append_only_across_writers(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    ResultsFile(path).append(make_record("a", "x", PROV, {}))
+    ResultsFile(path).append(make_record("b", "x", PROV, {}))
+    assert [r["key"] for r in ResultsFile(path).read()] == ["a", "b"]
+
+
+def test_reserved_fields_and_non_json_values_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="may not set 'key'"):
+        make_record("a", "x", PROV, {"key": "b"})
+    with pytest.raises(ValueError):
+        ResultsFile(tmp_path / "r.jsonl").append(make_record("a", "x", PROV, {"ppl": float("nan")}))
+    with pytest.raises(ValueError, match="schema_version"):
+        ResultsFile(tmp_path / "r.jsonl").append({"key": "a"})
+
+
+def test_torn_lines_are_skipped_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    f = ResultsFile(path)
+    f.append(make_record("a", "x", PROV, {}))
+    with path.open("a") as fh:
+        fh.write('{"schema_version": 1, "key": "b", "ki')
+    assert [r["key"] for r in f.read()] == ["a"]
+    assert len(f.warnings) == 1 and "damaged record" in f.warnings[0]
+
+
+def test_another_schema_version_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"schema_version": 99, "key": "a"}) + "\n")
+    with pytest.raises(HarnessError, match="schema_version 99.*new --out"):
+        ResultsFile(path).read()
+
+
+def test_missing_file_reads_empty(tmp_path: Path) -> None:
+    assert ResultsFile(tmp_path / "none.jsonl").read() == []
