@@ -51,6 +51,65 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- compare (issue 6; harness/compare.py, harness/report.py) ------------------------------------------------
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness import compare, project, report, sizes
+
+    opts = compare.CompareOptions(
+        out=args.out or project.project_root() / "results" / "compare",
+        model=args.model,
+        vram=sizes.parse_size(args.vram) if args.vram else None,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        text=args.text, dataset=args.dataset, runs=args.runs, n_ctx=args.ctx, chunks=args.chunks or None,
+        n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads,
+        reserve_bytes=(sizes.parse_size(args.reserve, allow_percent=False).bytes or 0) if args.reserve else 0,
+        speed=not args.no_speed, quality=not args.no_quality, bench_cache_mode=args.speed_mode, seed=args.seed,
+        argv=tuple(sys.argv))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task("compare", total=None)
+
+        def progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        result = compare.compare(opts, progress)
+    console.print(report.render_compare(result))
+    if result.interrupted:
+        return 130
+    return 1 if result.budget.over else 0
+
+
+def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.compare import KNOWN_POLICIES
+
+    c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
+    c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
+                   "of the experts); default: the budget that keeps about 25%% of the experts resident")
+    c.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
+    c.add_argument("--policies", default="quality,speed,fetch-all",
+                   help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s)")
+    c.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
+    c.add_argument("--dataset", help="a named dataset instead of --text (wikitext-2: only from a local file)")
+    c.add_argument("--runs", type=int, default=5, help="speed repetitions per configuration (default: %(default)s)")
+    c.add_argument("--out", type=Path, help="results folder (default: results/compare); an existing one is resumed")
+    c.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
+    c.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
+    c.add_argument("--n-prompt", type=int, default=512, help="llama-bench prompt tokens (default: %(default)s)")
+    c.add_argument("--n-gen", type=int, default=128, help="llama-bench generated tokens (default: %(default)s)")
+    c.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    c.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for KV cache and compute buffers")
+    c.add_argument("--speed-mode", default="engine", help="cache mode for speed runs (default: %(default)s)")
+    c.add_argument("--no-speed", action="store_true", help="skip the llama-bench runs")
+    c.add_argument("--no-quality", action="store_true", help="skip the perplexity runs")
+    c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    c.set_defaults(func=_cmd_compare)
+
+# ---- end of compare ---------------------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description=(
         "moe-subst: run MoE models bigger than VRAM with an expert cache in a patched llama.cpp, "
@@ -79,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="f32", help="f32, f16, q8_0, q4_k")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
+
+    _add_compare(sub)
     return p
 
 

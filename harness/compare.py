@@ -78,11 +78,12 @@ def _no_progress(done: int, total: int, label: str) -> None:
 
 @dataclass(frozen=True)
 class CompareOptions:
-    model: Path
     out: Path
+    model: Path | None = None  # None: the project's trained model (default_model)
     vram: Size | None = None  # None: the budget that keeps DEFAULT_RESIDENCY of the experts resident
     policies: tuple[str, ...] = ("quality", "speed", "fetch-all")
-    text: Path | None = None  # None: no quality runs
+    text: Path | None = None  # None: the held-out text (compare) or no quality runs (run_compare)
+    dataset: str | None = None  # a named dataset instead of --text (only from a local file)
     runs: int = 5
     n_ctx: int = 512
     n_batch: int | None = None  # None: n_ctx (one sequence per batch: token order = decode order)
@@ -189,14 +190,21 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def _model(opts: CompareOptions) -> Path:
+    if opts.model is None:
+        raise HarnessError("no model given")  # compare() fills in the default; run_compare needs one
+    return opts.model
+
+
 def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
     """The run matrix, in execution order: quality runs first, then interleaved speed repetitions."""
     runs: list[RunSpec] = []
     slots = plan.slots.slots_per_layer
+    model = _model(opts)
     if opts.quality and opts.text is not None:
         def ppl(config: str, placement: Placement, cache: CacheSpec | None, dump: bool) -> PerplexityRequest:
             return PerplexityRequest(
-                model=opts.model, text=opts.text or Path(), placement=placement, n_ctx=opts.n_ctx,
+                model=model, text=opts.text or Path(), placement=placement, n_ctx=opts.n_ctx,
                 n_batch=opts.n_batch or opts.n_ctx, chunks=opts.chunks, threads=opts.threads, cache=cache,
                 nll_dump=opts.out / "nll" / f"{_safe(config)}.bin" if dump else None, label=config)
 
@@ -213,12 +221,12 @@ def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
             order = configs if rep % 2 == 0 else list(reversed(configs))
             for config in order:
                 if config == STOCK:
-                    req = BenchRequest(opts.model, plan.stock, opts.n_prompt, opts.n_gen, 1, opts.threads, label=STOCK)
+                    req = BenchRequest(model, plan.stock, opts.n_prompt, opts.n_gen, 1, opts.threads, label=STOCK)
                     runs.append(RunSpec(f"bench:stock:{rep}", "bench", "stock", STOCK, rep, bench=req))
                 else:
                     stats = str(opts.out / "stats" / f"bench-{_safe(config)}-{rep}.json")
                     cache = policy_cache_spec(config, opts.bench_cache_mode, slots, stats)
-                    req = BenchRequest(opts.model, plan.patched, opts.n_prompt, opts.n_gen, 1, opts.threads, cache,
+                    req = BenchRequest(model, plan.patched, opts.n_prompt, opts.n_gen, 1, opts.threads, cache,
                                        label=config)
                     runs.append(RunSpec(f"bench:{config}:{rep}", "bench", "patched", config, rep, bench=req))
     return runs
@@ -379,7 +387,7 @@ def summarize_quality(records: Sequence[dict[str, Any]], nll: dict[str, NllDump]
 
 def fingerprint(opts: CompareOptions, plan: ComparePlan, binaries: dict[str, str]) -> str:
     """What must not change between a run and its resumption: model file, budget plan, run settings, binaries."""
-    m = Path(opts.model)
+    m = _model(opts)
     st = m.stat()
     d = {
         "model": [str(m.resolve()), st.st_size, int(st.st_mtime)],
@@ -556,3 +564,59 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     return CompareResult(plan, opts, gpu, backend, tuple(notes), speed, quality, budget, results.path,
                          n_run, n_resumed, interrupted, tuple(warnings))
 
+
+
+# ---- the command's entry point ------------------------------------------------------------------------------
+
+DEFAULT_TEXT = Path("eval/data/heldout.txt")
+DATASETS = {"wikitext-2": "wiki.test.raw from wikitext-2-raw-v1"}
+
+
+def default_model(root: Path | None = None) -> Path:
+    """The project's trained model: the one .gguf under models/ (README)."""
+    base = (root or project.project_root()) / "models"
+    found = sorted(base.glob("*.gguf")) if base.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise HarnessError(f"no default model: {base} holds no .gguf (the project's trained model); pass --model "
+                           "FILE (for a quick try, make one with `harness synth -o m.gguf`)")
+    raise HarnessError(f"{base} holds several models ({', '.join(p.name for p in found)}): pass --model FILE")
+
+
+def resolve_text(text: Path | None, dataset: str | None, root: Path | None = None) -> Path:
+    """--text FILE, or --dataset NAME (only as a local file: nothing is downloaded), or the held-out text."""
+    if text is not None and dataset is not None:
+        raise HarnessError("pass either --text or --dataset, not both")
+    if dataset is not None:
+        if dataset not in DATASETS:
+            raise HarnessError(f"unknown dataset {dataset!r}: known are {', '.join(DATASETS)}, or pass --text FILE")
+        raise HarnessError(f"{dataset} is not available offline: download the {DATASETS[dataset]} file elsewhere "
+                           "and pass it with --text FILE")
+    path = text if text is not None else (root or project.project_root()) / DEFAULT_TEXT
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise HarnessError(f"cannot read the text {path}: {e.strerror}") from None
+    return path
+
+
+def compare(opts: CompareOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+            env: Environment | None = None) -> CompareResult:
+    """`harness compare`: read the model, run (or resume) the comparison, write report.md next to
+    results.jsonl. `opts.model` and `opts.text` may be None for the defaults."""
+    from dataclasses import replace
+
+    from harness.gguf_model import read_model_info
+    from harness.report import render_compare_markdown
+    from harness.runners import ToolRunner
+
+    model = opts.model or default_model()
+    text = resolve_text(opts.text, opts.dataset) if opts.quality else None
+    opts = replace(opts, model=model, text=text)
+    info = read_model_info(model)
+    result = run_compare(opts, runner or ToolRunner(), info, env=env, progress=progress)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "report.md").write_text(render_compare_markdown(result))
+    return result

@@ -10,9 +10,12 @@ import pytest
 from harness.compare import (
     CompareOptions,
     Environment,
+    compare,
+    default_model,
     plan_compare,
     plan_runs,
     policy_cache_spec,
+    resolve_text,
     run_compare,
     verify_budget,
 )
@@ -310,3 +313,36 @@ def test_policy_specs_follow_the_documented_keys() -> None:
         "mode=emulate,slots=16,stats=s.json,rule=threshold,tau=0.15,evict=lfu,admit=off")
     assert policy_cache_spec("substitute-all", "engine", 8, None).render() == (
         "mode=engine,slots=8,rule=substitute-all,evict=lfu,admit=off")
+
+
+def test_default_model_and_text(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="no default model.*--model"):
+        default_model(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny.gguf").write_bytes(b"GGUF")
+    assert default_model(tmp_path) == tmp_path / "models" / "tiny.gguf"
+    (tmp_path / "models" / "other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(HarnessError, match="several models"):
+        default_model(tmp_path)
+    (tmp_path / "eval" / "data").mkdir(parents=True)
+    (tmp_path / "eval" / "data" / "heldout.txt").write_text("held out")
+    assert resolve_text(None, None, tmp_path) == tmp_path / "eval" / "data" / "heldout.txt"
+    with pytest.raises(HarnessError, match="not available offline.*--text FILE"):
+        resolve_text(None, "wikitext-2", tmp_path)
+    with pytest.raises(HarnessError, match="unknown dataset"):
+        resolve_text(None, "pile", tmp_path)
+    with pytest.raises(HarnessError, match="cannot read the text"):
+        resolve_text(tmp_path / "missing.txt", None, tmp_path)
+    with pytest.raises(HarnessError, match="either --text or --dataset"):
+        resolve_text(tmp_path / "t.txt", "wikitext-2", tmp_path)
+
+
+def test_compare_entry_writes_the_report(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = CompareOptions(out=tmp_path / "out", model=synth_models["qwen3moe"], text=text, runs=1,
+                          policies=("fetch-all",))
+    res = compare(opts, runner=FakeRunner(), env=FakeEnv(tmp_path))
+    assert res.options.model == synth_models["qwen3moe"] and res.plan.info.arch == "qwen3moe"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.startswith("# harness compare") and "fetch-all" in report
