@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from harness import project
-from harness.costmodel import stock_gpu_moe_layers
+from harness.costmodel import cache_work, estimate, load_profile, stock_gpu_moe_layers, stock_work
 from harness.errors import HarnessError
 from harness.expert_trace import NllDump
 from harness.gguf_model import ModelInfo
@@ -97,6 +97,7 @@ class CompareOptions:
     bench_cache_mode: str = "engine"
     n_boot: int = 2000
     seed: int = 0
+    profile: str | None = "rtx3090"  # hardware profile for speed estimates when there is no GPU (None: none)
     argv: tuple[str, ...] = ()
 
 
@@ -307,6 +308,32 @@ class QualityRow:
 
 
 @dataclass(frozen=True)
+class EstimateRow:
+    """Estimated decode speed from the cost model (harness.costmodel): an estimate, not a measurement."""
+
+    config: str
+    ms_per_token: float
+    vs_stock: float | None  # estimated speed-up over stock
+
+
+def estimate_speeds(plan: ComparePlan, quality: Sequence[QualityRow], profile_name: str) -> tuple[EstimateRow, ...]:
+    """Decode time per token on a hardware profile: stock with the planned --n-cpu-moe, and every policy with
+    the fetches (and admissions) per token that its emulate run counted."""
+    profile = load_profile(profile_name)
+    info = plan.info
+    stock = estimate(profile, stock_work(info, plan.stock_gpu_moe_layers)).ms_per_token
+    rows = [EstimateRow(STOCK, stock, None)]
+    for q in quality:
+        c = q.cache
+        if q.config in (FULL, STOCK) or c is None or c.fetches_per_token is None:
+            continue
+        admissions = (c.admissions or 0) / c.tokens if c.tokens else 0.0
+        ms = estimate(profile, cache_work(info, c.fetches_per_token, admissions_per_token=admissions)).ms_per_token
+        rows.append(EstimateRow(q.config, ms, stock / ms))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
 class CompareResult:
     plan: ComparePlan
     options: CompareOptions
@@ -321,6 +348,8 @@ class CompareResult:
     n_resumed: int
     interrupted: bool
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    estimates: tuple[EstimateRow, ...] = ()
+    estimate_profile: str = ""
 
 
 def summarize_speed(records: Sequence[dict[str, Any]], configs: Sequence[str], *, n_boot: int = 2000,
@@ -561,8 +590,12 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     if interrupted:
         warnings.append(f"interrupted: {n_run} new runs recorded in {results.path}; run the same command again "
                         "to resume")
+    estimates: tuple[EstimateRow, ...] = ()
+    if gpu == "none" and opts.profile:
+        estimates = estimate_speeds(plan, quality, opts.profile)
     return CompareResult(plan, opts, gpu, backend, tuple(notes), speed, quality, budget, results.path,
-                         n_run, n_resumed, interrupted, tuple(warnings))
+                         n_run, n_resumed, interrupted, tuple(warnings), estimates,
+                         (opts.profile or "") if estimates else "")
 
 
 

@@ -10,7 +10,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from harness.compare import FULL, STOCK, ComparePlan, CompareResult, QualityRow, SpeedRow
+from harness.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
 from harness.sizes import format_bytes
 
 
@@ -57,6 +57,11 @@ def _speed_cells(r: SpeedRow) -> tuple[str, str, str, str]:
     return mean, pm, str(ci.n), vs
 
 
+def _estimate_cells(e: EstimateRow) -> tuple[str, str, str, str]:
+    return (_label(e.config), f"{e.ms_per_token:.2f}", f"{1000 / e.ms_per_token:.1f}",
+            f"{e.vs_stock:.2f}x" if e.vs_stock is not None else "-")
+
+
 def _quality_cells(r: QualityRow) -> tuple[str, str, str, str, str, str]:
     ppl = f"{r.ppl:.4f} ± {r.ppl_se:.4f}"
     if r.delta is not None:
@@ -90,6 +95,14 @@ def render_compare(result: CompareResult) -> Group:
             t.add_column(col, justify="left" if col in ("configuration", "test") else "right")
         for r in result.speed:
             t.add_row(_label(r.config), r.test, *_speed_cells(r))
+        parts.append(t)
+    if result.estimates:
+        t = Table(title=f"ESTIMATED decode speed on a {result.estimate_profile} (cost model from the emulate runs' "
+                  "fetches per token; an estimate, not a measurement)", title_justify="left")
+        for col in ("configuration", "est. ms/token", "est. tokens/s", "est. vs stock"):
+            t.add_column(col, justify="left" if col == "configuration" else "right")
+        for e in result.estimates:
+            t.add_row(*_estimate_cells(e))
         parts.append(t)
     parts.append(Text("budget: " + result.budget.message,
                       style="bold red" if result.budget.over else ("yellow" if not result.budget.ok else "green")))
@@ -135,6 +148,14 @@ def render_compare_markdown(result: CompareResult) -> str:
                   "repetitions; ratio to stock with a bootstrap 95% CI.", ""]
         lines.append(_md_table(["configuration", "test", "mean", "± 95% CI", "n", "vs stock"],
                                [[_label(r.config), r.test, *_speed_cells(r)] for r in result.speed]))
+        lines.append("")
+    if result.estimates:
+        lines += ["## Estimated decode speed (not measured)", "",
+                  f"Cost model (harness.costmodel) with the `{result.estimate_profile}` hardware profile, fed with "
+                  "the fetches and admissions per token counted in the emulate runs and stock's planned "
+                  "--n-cpu-moe. These are estimates, labelled as such; no GPU was measured.", ""]
+        lines.append(_md_table(["configuration", "est. ms/token", "est. tokens/s", "est. vs stock"],
+                               [list(_estimate_cells(e)) for e in result.estimates]))
         lines.append("")
     lines += ["## Budget", "", result.budget.message, ""]
     warnings = [w for r in result.speed for w in r.warnings] + list(result.warnings)

@@ -47,3 +47,20 @@ def test_markdown(tmp_path: Path) -> None:
     assert len(rows) == 1
     ratio = float(rows[0].split("|")[6].split("x")[0])
     assert 2.4 < ratio < 2.6  # 25 against 10 tokens/s, with the fake's jitter
+
+
+def test_estimates_are_labelled_as_estimates(tmp_path: Path) -> None:
+    res = _result(tmp_path)
+    assert res.estimate_profile == "rtx3090"
+    assert [e.config for e in res.estimates] == ["stock", "quality", "speed"]
+    assert all(e.ms_per_token > 0 for e in res.estimates)
+    stock_ms = res.estimates[0].ms_per_token
+    assert res.estimates[1].vs_stock is not None
+    assert abs(res.estimates[1].vs_stock - stock_ms / res.estimates[1].ms_per_token) < 1e-12
+    text = render_compare_text(res, width=200)
+    assert "ESTIMATED decode speed on a rtx3090" in text and "not a measurement" in text
+    md = render_compare_markdown(res)
+    assert "## Estimated decode speed (not measured)" in md
+    (tmp_path / "g").mkdir()
+    gpu = _result(tmp_path / "g", gpu="NVIDIA RTX 3090")
+    assert gpu.estimates == () and "ESTIMATED" not in render_compare_text(gpu)
