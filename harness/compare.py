@@ -488,48 +488,47 @@ def _bench_record(spec: RunSpec, run: Any) -> dict[str, Any]:
     }
 
 
-def _fresh(path: Path | None) -> None:
-    """Make room for an output file of the tool: its folder exists, no stale file from an earlier attempt."""
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
+def options_json(opts: Any) -> dict[str, Any]:
+    """A dataclass of options as JSON (paths and sizes as strings), for the meta record."""
+    out: dict[str, Any] = {}
+    for k, v in vars(opts).items():
+        if isinstance(v, (Path, Size)):
+            out[k] = str(v)
+        elif isinstance(v, tuple):
+            out[k] = [str(x) if isinstance(x, Path) else x for x in v]
+        elif v is None or isinstance(v, (str, int, float, bool)):
+            out[k] = v
+        else:
+            out[k] = repr(v)
+    return out
 
 
-def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: Environment | None = None,
-                progress: Progress = _no_progress) -> CompareResult:
-    """Plan, run what is not recorded yet, summarise. Ctrl-C stops after the records that finished are
-    written; the result then has `interrupted=True` and summarises what there is."""
-    env = env or Environment()
-    check_policies(opts.policies)
-    if opts.runs < 1:
-        raise HarnessError("--runs must be at least 1")
-    if opts.quality and opts.text is not None and not opts.text.is_file():
-        raise HarnessError(f"cannot read the text {opts.text}: no such file")
-    builds = env.builds()
-    gpu = env.gpu()
-    backend = ",".join(sorted({b.backend for b in builds.values()}))
-    plan = plan_compare(info, opts.vram, reserve_bytes=opts.reserve_bytes,
-                        host_available_bytes=env.host_available_bytes())
-    prov = env.provenance(builds, opts.argv, gpu)
-    fp = fingerprint(opts, plan, dict(prov.binaries))
-    notes = list(plan.notes)
-    if gpu == "none":
-        notes.append("no GPU found: running the CPU build; speed figures are labelled 'CPU build'")
+@dataclass(frozen=True)
+class ExecOutcome:
+    n_run: int
+    n_resumed: int
+    interrupted: bool
+    notes: tuple[str, ...]
 
-    results = ResultsFile(opts.out / "results.jsonl")
-    existing = [r for r in results.read() if r.get("kind") in ("ppl", "bench")]
-    other = {r.get("fingerprint") for r in existing} - {fp}
+
+def execute_runs(specs: Sequence[RunSpec], runner: Runner, builds: dict[str, project.Build], prov: Provenance,
+                 fp: str, results: ResultsFile, progress: Progress = _no_progress,
+                 meta: dict[str, Any] | None = None) -> ExecOutcome:
+    """Run every spec whose key is not recorded yet, appending one record per finished run. Refuses a results
+    file of another configuration (fingerprint). Ctrl-C stops the loop and keeps what finished. A patched
+    build that rejects the speed runs' cache mode (no engine yet) skips the patched speed runs with a note."""
+    existing = results.read()
+    other = {r.get("fingerprint") for r in existing if r.get("kind") in ("ppl", "bench", "meta")} - {fp}
     if other:
         raise HarnessError(f"{results.path} holds results of a different configuration (model, budget, settings "
                            "or binaries changed): use a new --out directory, or delete the file to start over")
+    if meta is not None and not any(r.get("kind") == "meta" for r in existing):
+        results.append(make_record("meta", "meta", prov, {**meta, "fingerprint": fp}))
     done = {str(r["key"]) for r in existing}
-    specs = plan_runs(opts, plan)
     total = len(specs)
-    n_resumed = 0
-    n_run = 0
-    interrupted = False
-    new_records: list[dict[str, Any]] = []
-    no_engine = False
+    n_resumed = n_run = 0
+    interrupted = no_engine = False
+    notes: list[str] = []
     try:
         for i, spec in enumerate(specs):
             if spec.key in done:
@@ -562,25 +561,66 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
                         continue
                     raise
             data["fingerprint"] = fp
-            rec = make_record(spec.key, spec.kind, prov, data, started=started)
-            results.append(rec)
-            new_records.append(rec)
+            results.append(make_record(spec.key, spec.kind, prov, data, started=started))
             n_run += 1
             progress(i + 1, total, spec.key)
     except KeyboardInterrupt:
         interrupted = True
+    return ExecOutcome(n_run, n_resumed, interrupted, tuple(notes))
 
-    records = [r for r in results.read() if r.get("kind") in ("ppl", "bench")]
-    warnings = list(results.warnings)
+
+def load_nlls(records: Iterable[dict[str, Any]], load: Callable[[Path], NllDump]) -> tuple[
+        dict[str, NllDump], list[str]]:
+    """The NLL dumps of the recorded perplexity runs, by configuration; unreadable ones become warnings."""
     nll: dict[str, NllDump] = {}
-    nll_errors: set[str] = set()
+    errors: set[str] = set()
     for rec in records:
         if rec.get("kind") == "ppl" and rec.get("nll_dump"):
             try:
-                nll[rec["config"]] = runner.load_nll(Path(rec["nll_dump"]))
+                nll[rec["config"]] = load(Path(rec["nll_dump"]))
             except HarnessError as e:
-                nll_errors.add(str(e))
-    warnings.extend(sorted(nll_errors))
+                errors.add(str(e))
+    return nll, sorted(errors)
+
+
+def _fresh(path: Path | None) -> None:
+    """Make room for an output file of the tool: its folder exists, no stale file from an earlier attempt."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+
+
+def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: Environment | None = None,
+                progress: Progress = _no_progress) -> CompareResult:
+    """Plan, run what is not recorded yet, summarise. Ctrl-C stops after the records that finished are
+    written; the result then has `interrupted=True` and summarises what there is."""
+    env = env or Environment()
+    check_policies(opts.policies)
+    if opts.runs < 1:
+        raise HarnessError("--runs must be at least 1")
+    if opts.quality and opts.text is not None and not opts.text.is_file():
+        raise HarnessError(f"cannot read the text {opts.text}: no such file")
+    builds = env.builds()
+    gpu = env.gpu()
+    backend = ",".join(sorted({b.backend for b in builds.values()}))
+    plan = plan_compare(info, opts.vram, reserve_bytes=opts.reserve_bytes,
+                        host_available_bytes=env.host_available_bytes())
+    prov = env.provenance(builds, opts.argv, gpu)
+    fp = fingerprint(opts, plan, dict(prov.binaries))
+    notes = list(plan.notes)
+    if gpu == "none":
+        notes.append("no GPU found: running the CPU build; speed figures are labelled 'CPU build'")
+
+    results = ResultsFile(opts.out / "results.jsonl")
+    outcome = execute_runs(plan_runs(opts, plan), runner, builds, prov, fp, results, progress,
+                           meta={"command": "compare", "options": options_json(opts)})
+    notes.extend(outcome.notes)
+    n_run, n_resumed, interrupted = outcome.n_run, outcome.n_resumed, outcome.interrupted
+
+    records = [r for r in results.read() if r.get("kind") in ("ppl", "bench")]
+    warnings = list(results.warnings)
+    nll, nll_warnings = load_nlls(records, runner.load_nll)
+    warnings.extend(nll_warnings)
     quality, qwarn = summarize_quality(records, nll, opts.policies, n_boot=opts.n_boot, seed=opts.seed)
     warnings.extend(qwarn)
     speed = summarize_speed(records, [STOCK, *opts.policies], n_boot=opts.n_boot, seed=opts.seed)

@@ -44,6 +44,11 @@ def _info(layers: int = 4, first_dense: int = 0, n_expert: int = 8, k: int = 2) 
                      file_bytes=expert_bytes + 10 * MiB, file_type="F16")
 
 
+def _runs(out: Path) -> list[dict[str, object]]:
+    """The run records (not the meta record) of a results folder."""
+    return [r for r in ResultsFile(out / "results.jsonl").read() if r["kind"] != "meta"]
+
+
 class FakeEnv(Environment):
     def __init__(self, tmp: Path, gpu: str = "none", host: int = 1 << 40) -> None:
         self.tmp, self._gpu, self._host = tmp, gpu, host
@@ -139,7 +144,11 @@ def test_run_order_quality_first_then_abba_interleaving(setup: tuple[CompareOpti
 def test_results_records_and_summary(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
     opts, info, env = setup
     res = run_compare(opts, FakeRunner(), info, env=env)
-    records = ResultsFile(opts.out / "results.jsonl").read()
+    everything = ResultsFile(opts.out / "results.jsonl").read()
+    meta = everything[0]
+    assert meta["kind"] == "meta" and meta["command"] == "compare"
+    assert meta["options"]["policies"] == ["quality", "speed"] and meta["options"]["n_ctx"] == 512
+    records = _runs(opts.out)
     assert len(records) == 13 and res.n_run == 13
     for rec in records:
         assert rec["schema_version"] == 1
@@ -166,14 +175,15 @@ def test_ctrl_c_keeps_finished_runs_and_resume_skips_them(setup: tuple[CompareOp
     res = run_compare(opts, first, info, env=env)
     assert res.interrupted and res.n_run == 6
     assert any("interrupted" in w for w in res.warnings)
-    assert len(ResultsFile(opts.out / "results.jsonl").read()) == 6
+    assert len(_runs(opts.out)) == 6
     second = FakeRunner()
     second.dumps = first.dumps  # the dumps the first run wrote are still on disk
     res2 = run_compare(opts, second, info, env=env)
     assert not res2.interrupted and res2.n_resumed == 6 and res2.n_run == 7
     assert second.calls[0] == "bench:patched:speed" and len(second.calls) == 7
-    keys = [r["key"] for r in ResultsFile(opts.out / "results.jsonl").read()]
+    keys = [r["key"] for r in _runs(opts.out)]
     assert len(keys) == len(set(keys)) == 13
+    assert sum(r["kind"] == "meta" for r in ResultsFile(opts.out / "results.jsonl").read()) == 1
     third = FakeRunner()
     third.dumps = first.dumps
     assert run_compare(opts, third, info, env=env).n_run == 0 and third.calls == []
@@ -209,7 +219,7 @@ def test_a_crashed_run_propagates_and_keeps_earlier_records(setup: tuple[Compare
 
     with pytest.raises(HarnessError, match="exited with 1"):
         run_compare(opts, Crashing(), info, env=env)
-    assert len(ResultsFile(opts.out / "results.jsonl").read()) == 4  # the four quality runs
+    assert len(_runs(opts.out)) == 4  # the four quality runs
 
 
 def test_stock_and_cache_off_must_agree(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
