@@ -433,8 +433,13 @@ def _write(path: Path, arch: str, name: str, dtype: _DType, seed: int, plan: lis
     import gguf
 
     f32 = int(gguf.GGMLQuantizationType.F32)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb"):
+            pass
+    except OSError as e:
+        raise HarnessError(f"synth: cannot write {path}: {e.strerror or e}") from None
     writer = gguf.GGUFWriter(tmp, arch)
     try:
         writer.add_name(name)

@@ -142,6 +142,12 @@ def test_bad_specs(tmp_path: Path, change: dict[str, object], message: str) -> N
     assert not list(tmp_path.iterdir())
 
 
+def test_unwritable_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(HarnessError, match="cannot write"):
+        write_synth_model(SynthSpec(), tmp_path / "file" / "m.gguf")
+
+
 def test_dtypes_listed() -> None:
     assert DTYPES[:3] == ("f32", "f16", "q8_0") and "q4_k" in DTYPES
     for dtype in WRITABLE:
