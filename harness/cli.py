@@ -51,7 +51,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- compare (issue 6; harness/compare.py, harness/report.py) ------------------------------------------------
+# ---- compare and sweep (issue 6; harness/compare.py, harness/sweep.py, harness/report.py) ----------------------
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -107,7 +107,62 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     c.set_defaults(func=_cmd_compare)
 
-# ---- end of compare ---------------------------------------------------------------------------------------------
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise HarnessError(f"not a comma-separated list of numbers: {text!r}") from None
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness import project, report, sweep
+
+    grid = sweep.SweepGrid(rules=_words(args.rules), taus=_floats(args.taus), admits=_words(args.admits),
+                           evicts=_words(args.evicts), fractions=tuple(f / 100 for f in _floats(args.residency)))
+    opts = sweep.SweepOptions(out=args.out or project.project_root() / "results" / "sweep", model=args.model,
+                              text=args.text, grid=grid, n_ctx=args.ctx, chunks=args.chunks or None,
+                              threads=args.threads, seed=args.seed, profile=args.profile, argv=tuple(sys.argv))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task("sweep", total=None)
+
+        def progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        result = sweep.sweep(opts, progress)
+    console.print(report.render_sweep(result))
+    return 130 if result.interrupted else 0
+
+
+def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    w = sub.add_parser("sweep", help="a grid of cache policies in emulate mode: quality/speed frontier, mass "
+                       "hypothesis")
+    w.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
+    w.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
+    w.add_argument("--rules", default="fetch-all,threshold,first-choice,substitute-all",
+                   help="miss rules (default: %(default)s)")
+    w.add_argument("--taus", default="0.05,0.1,0.15,0.25,0.4", help="thresholds of the threshold rule "
+                   "(default: %(default)s)")
+    w.add_argument("--admits", default="off,0.5", help="admission: off or beta values (default: %(default)s)")
+    w.add_argument("--evicts", default="lfu", help="eviction: lfu, lru (default: %(default)s)")
+    w.add_argument("--residency", default="25", help="resident percent of each layer's experts "
+                   "(default: %(default)s)")
+    w.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
+    w.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
+    w.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    w.add_argument("--profile", default="rtx3090", help="hardware profile for time estimates (default: %(default)s)")
+    w.add_argument("--out", type=Path, help="results folder (default: results/sweep); an existing one is resumed")
+    w.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    w.set_defaults(func=_cmd_sweep)
+
+# ---- end of compare and sweep -----------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_synth)
 
     _add_compare(sub)
+    _add_sweep(sub)
     return p
 
 

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from harness.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
 from harness.sizes import format_bytes
+from harness.sweep import SweepResult, SweepRow
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:
@@ -163,4 +164,59 @@ def render_compare_markdown(result: CompareResult) -> str:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
     lines += ["## Provenance", "", f"Raw records (JSON Lines, schema with provenance and samples): "
               f"`{result.results_path}`; command: `{' '.join(o.argv) or 'harness compare'}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- sweep ------------------------------------------------------------------------------------------------
+
+def _sweep_cells(r: SweepRow, front: tuple[str, ...]) -> list[str]:
+    d = r.delta
+    delta = f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]" if d is not None else "-"
+    return [r.point.name, f"{r.ppl:.4f}", delta,
+            _num(r.substitution_rate * 100, ".2f") + "%" if r.substitution_rate is not None else "-",
+            _num(r.substituted_mass, ".4f"), _num(r.fetches_per_token, ".2f"), _num(r.est_ms_per_token, ".3f"),
+            "*" if r.point.name in front else ""]
+
+
+_SWEEP_HEADER = ["policy", "PPL", "delta PPL [95% CI]", "substituted", "mass", "fetches/token", "est. ms/token",
+                 "frontier"]
+
+
+def mass_line(result: SweepResult) -> str:
+    m = result.mass
+    if m.correlation is None:
+        return f"mass hypothesis: not tested ({m.note})"
+    c = m.correlation
+    return (f"mass hypothesis: Pearson r = {c.r:.3f}, 95% CI [{c.low:.3f}, {c.high:.3f}] (Fisher z), over {c.n} "
+            "policies that always fetch the first choice (substituted mass vs delta PPL%)")
+
+
+def render_sweep(result: SweepResult) -> Group:
+    t = Table(title=f"sweep on the same tokens (full model PPL {_num(result.full_ppl, '.4f')}; delta vs the full "
+              "model, 95% CI by block bootstrap; est. = cost model estimate on "
+              f"{result.options.profile}, not measured; * = on the quality/speed frontier)", title_justify="left")
+    for col in _SWEEP_HEADER:
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in result.rows:
+        t.add_row(*_sweep_cells(r, result.frontier))
+    parts: list[Table | Text] = [t, Text(mass_line(result))]
+    if result.warnings:
+        parts.append(Text("\n".join("warning: " + w for w in result.warnings), style="yellow"))
+    parts.append(Text(f"results: {result.results_path} ({result.n_run} runs now, {result.n_resumed} resumed)"))
+    return Group(*parts)
+
+
+def render_sweep_markdown(result: SweepResult) -> str:
+    o = result.options
+    lines = ["# harness sweep", "",
+             f"Model `{o.model}`, text `{o.text}`, context {o.n_ctx}. Every policy runs in emulate mode on the same "
+             "tokens; delta PPL is paired against the full model (cache off), with a 95% CI from a block bootstrap "
+             f"over chunks ({o.n_boot} replicates, seed {o.seed}). `est. ms/token` is the cost model's estimate on "
+             f"the `{o.profile}` profile from the counted fetches and admissions: an estimate, not a measurement. "
+             "`*` marks the quality/speed Pareto frontier (lower delta, lower estimated time).", "",
+             _md_table(_SWEEP_HEADER, [_sweep_cells(r, result.frontier) for r in result.rows]), "",
+             "## Mass hypothesis", "", mass_line(result), ""]
+    if result.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
+    lines += [f"Raw records: `{result.results_path}`; command: `{' '.join(o.argv) or 'harness sweep'}`.", ""]
     return "\n".join(lines)

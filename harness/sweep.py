@@ -1,0 +1,274 @@
+"""`harness sweep`: a grid of cache policies in emulate mode on the same tokens, the quality/speed frontier,
+and the mass hypothesis.
+
+Every grid point is one llama-perplexity run of the patched build in emulate mode (NLL dump and cache
+statistics), paired against the full model (cache off) on the same tokens. Speed per point is the
+fetches per token the engine would do, and the decode time per token the cost model estimates from them
+(an estimate). The mass hypothesis (PAPER.md, finding 2): among policies that always fetch the first
+choice (rules fetch-all, threshold, first-choice), higher substituted mass goes with a higher delta-PPL;
+tested with Pearson r and a Fisher-z 95% CI across the grid points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.compare import (
+    FULL,
+    Environment,
+    Progress,
+    RunSpec,
+    _no_progress,
+    execute_runs,
+    load_nlls,
+    options_json,
+    summarize_quality,
+)
+from harness.costmodel import cache_work, estimate, load_profile
+from harness.errors import HarnessError
+from harness.gguf_model import ModelInfo
+from harness.plan import plan_slots
+from harness.results import ResultsFile
+from harness.runners import CacheSpec, PerplexityRequest, Placement, Runner
+from harness.sizes import Size
+from harness.stats import Correlation, DeltaPPL, pearson_fisher
+
+RULES = ("fetch-all", "threshold", "first-choice", "substitute-all", "drop")
+FIRST_CHOICE_FETCHING = ("fetch-all", "threshold", "first-choice")  # rank 0 is always fetched
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    rules: tuple[str, ...] = ("fetch-all", "threshold", "first-choice", "substitute-all")
+    taus: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4)  # only for the threshold rule
+    admits: tuple[str, ...] = ("off", "0.5")  # "off" or a beta
+    evicts: tuple[str, ...] = ("lfu",)
+    fractions: tuple[float, ...] = (0.25,)  # resident share of each layer's experts
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    name: str
+    rule: str
+    tau: float | None
+    admit: str
+    evict: str
+    fraction: float
+    slots: int
+
+    def cache(self, stats: str | None) -> CacheSpec:
+        extra: list[tuple[str, str]] = [("rule", self.rule)]
+        if self.tau is not None:
+            extra.append(("tau", f"{self.tau:g}"))
+        extra += [("evict", self.evict), ("admit", self.admit)]
+        return CacheSpec("emulate", None, self.slots, stats, tuple(extra))
+
+
+def grid_points(grid: SweepGrid, info: ModelInfo) -> list[SweepPoint]:
+    """The grid's points in a fixed order. fetch-all never substitutes, so admission is moot there: one point
+    per eviction and residency. Slots per layer: round(fraction * n_expert), at least k."""
+    bad = [r for r in grid.rules if r not in RULES]
+    if bad:
+        raise HarnessError(f"unknown rule {', '.join(bad)}: use {', '.join(RULES)}")
+    for a in grid.admits:
+        if a != "off":
+            try:
+                if float(a) <= 0:
+                    raise ValueError
+            except ValueError:
+                raise HarnessError(f"admission must be 'off' or a beta > 0, got {a!r}") from None
+    points: list[SweepPoint] = []
+    for fraction in grid.fractions:
+        if not 0 < fraction <= 1:
+            raise HarnessError(f"a residency fraction must be in (0, 1], got {fraction}")
+        slots = max(info.n_expert_used, min(info.n_expert, round(fraction * info.n_expert)))
+        for evict in grid.evicts:
+            for rule in grid.rules:
+                taus: Sequence[float | None] = grid.taus if rule == "threshold" else (None,)
+                admits = ("off",) if rule == "fetch-all" else grid.admits
+                for tau in taus:
+                    for admit in admits:
+                        name = (f"{rule}" + (f" tau={tau:g}" if tau is not None else "")
+                                + f" admit={admit} evict={evict} slots={slots}")
+                        points.append(SweepPoint(name, rule, tau, admit, evict, fraction, slots))
+    if not points:
+        raise HarnessError("the sweep grid is empty")
+    return points
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    out: Path
+    model: Path | None = None  # None: the project's trained model
+    text: Path | None = None  # None: the held-out text
+    grid: SweepGrid = SweepGrid()
+    n_ctx: int = 512
+    chunks: int | None = None
+    threads: int | None = None
+    n_boot: int = 2000
+    seed: int = 0
+    profile: str = "rtx3090"  # hardware profile for the time-per-token estimates
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    point: SweepPoint
+    ppl: float
+    delta: DeltaPPL | None
+    substitution_rate: float | None
+    substituted_mass: float | None
+    fetches_per_token: float | None
+    est_ms_per_token: float | None  # cost model estimate, not a measurement
+
+
+@dataclass(frozen=True)
+class MassHypothesis:
+    correlation: Correlation | None
+    n_points: int
+    note: str
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    options: SweepOptions
+    full_ppl: float | None
+    rows: tuple[SweepRow, ...]
+    frontier: tuple[str, ...]  # point names on the quality/speed Pareto frontier
+    mass: MassHypothesis
+    results_path: Path
+    n_run: int
+    n_resumed: int
+    interrupted: bool
+    warnings: tuple[str, ...]
+
+
+def pareto_front(points: Sequence[tuple[str, float, float]]) -> tuple[str, ...]:
+    """Names of the points not dominated when both coordinates are to be minimised (a point dominates
+    another when it is no worse in both and better in one), in the order of the first coordinate."""
+    front = []
+    for name, x, y in points:
+        dominated = any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for _, x2, y2 in points)
+        if not dominated:
+            front.append((x, y, name))
+    return tuple(n for _, _, n in sorted(front))
+
+
+def mass_hypothesis(rows: Sequence[SweepRow], *, level: float = 0.95) -> MassHypothesis:
+    """Pearson r between substituted mass and delta-PPL% over the points whose rule always fetches the first
+    choice, with a Fisher-z CI; None (with the reason) when there are fewer than 4 such points or no spread."""
+    pts = [(r.substituted_mass, r.delta.delta_pct) for r in rows
+           if r.point.rule in FIRST_CHOICE_FETCHING and r.delta is not None and r.substituted_mass is not None]
+    if len(pts) < 4:
+        return MassHypothesis(None, len(pts), f"{len(pts)} points with a first-choice-fetching rule: at least 4 "
+                              "are needed (add taus or residencies to the grid)")
+    xs = [float(p[0]) for p in pts]
+    ys = [float(p[1]) for p in pts]
+    try:
+        return MassHypothesis(pearson_fisher(xs, ys, level), len(pts), "")
+    except HarnessError as e:
+        return MassHypothesis(None, len(pts), str(e))
+
+
+def _resolved(opts: SweepOptions) -> tuple[Path, Path]:
+    if opts.model is None or opts.text is None:
+        raise HarnessError("no model or text given")  # sweep() fills in the defaults
+    return opts.model, opts.text
+
+
+def sweep_runs(opts: SweepOptions, points: Sequence[SweepPoint]) -> list[RunSpec]:
+    model, text = _resolved(opts)
+    placement = Placement(n_cpu_moe=999)  # quality only: every expert tensor stays in host memory
+
+    def req(label: str, cache: CacheSpec) -> PerplexityRequest:
+        return PerplexityRequest(model, text, placement, n_ctx=opts.n_ctx, n_batch=opts.n_ctx,
+                                 chunks=opts.chunks, threads=opts.threads, cache=cache,
+                                 nll_dump=opts.out / "nll" / f"{_safe(label)}.bin", label=label)
+
+    runs = [RunSpec("ppl:full", "ppl", "patched", FULL, None, ppl=req(FULL, CacheSpec("off")))]
+    for p in points:
+        stats = str(opts.out / "stats" / f"{_safe(p.name)}.json")
+        runs.append(RunSpec(f"ppl:{p.name}", "ppl", "patched", p.name, None, ppl=req(p.name, p.cache(stats))))
+    return runs
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _fingerprint(opts: SweepOptions, binaries: dict[str, str]) -> str:
+    import hashlib
+    import json
+
+    model, text = _resolved(opts)
+    st = model.stat()
+    d = {"model": [str(model.resolve()), st.st_size, int(st.st_mtime)], "text": str(text),
+         "n_ctx": opts.n_ctx, "chunks": opts.chunks, "binaries": binaries, "command": "sweep"}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_sweep(opts: SweepOptions, runner: Runner, info: ModelInfo, *, env: Environment | None = None,
+              progress: Progress = _no_progress) -> SweepResult:
+    env = env or Environment()
+    _, text = _resolved(opts)
+    if not text.is_file():
+        raise HarnessError(f"cannot read the text {opts.text}: no such file")
+    points = grid_points(opts.grid, info)
+    plan_slots(info, Size(fraction=min(p.fraction for p in points)))  # the same "too small" checks as compare
+    builds = env.builds()
+    gpu = env.gpu()
+    prov = env.provenance(builds, opts.argv, gpu)
+    fp = _fingerprint(opts, dict(prov.binaries))
+    results = ResultsFile(opts.out / "results.jsonl")
+    meta: dict[str, Any] = {"command": "sweep", "options": options_json(opts), "grid": options_json(opts.grid)}
+    outcome = execute_runs(sweep_runs(opts, points), runner, builds, prov, fp, results, progress, meta=meta)
+    records = [r for r in results.read() if r.get("kind") == "ppl"]
+    warnings = list(results.warnings) + list(outcome.notes)
+    nll, nll_warnings = load_nlls(records, runner.load_nll)
+    warnings += nll_warnings
+    names = [p.name for p in points]
+    quality, qwarn = summarize_quality(records, nll, names, n_boot=opts.n_boot, seed=opts.seed)
+    warnings += qwarn
+    by_name = {q.config: q for q in quality}
+    profile = load_profile(opts.profile)
+    rows: list[SweepRow] = []
+    for p in points:
+        q = by_name.get(p.name)
+        if q is None:
+            continue
+        c = q.cache
+        est = None
+        if c is not None and c.fetches_per_token is not None:
+            adm = (c.admissions or 0) / c.tokens if c.tokens else 0.0
+            est = estimate(profile, cache_work(info, c.fetches_per_token, admissions_per_token=adm)).ms_per_token
+        rows.append(SweepRow(p, q.ppl, q.delta, c.substitution_rate if c else None,
+                             c.substituted_mass if c else None, c.fetches_per_token if c else None, est))
+    front = pareto_front([(r.point.name, r.est_ms_per_token, r.delta.delta_pct) for r in rows
+                          if r.delta is not None and r.est_ms_per_token is not None])
+    full = by_name.get(FULL)
+    if outcome.interrupted:
+        warnings.append(f"interrupted: {outcome.n_run} new runs recorded in {results.path}; run the same command "
+                        "again to resume")
+    return SweepResult(opts, full.ppl if full else None, tuple(rows), front, mass_hypothesis(rows), results.path,
+                       outcome.n_run, outcome.n_resumed, outcome.interrupted, tuple(warnings))
+
+
+def sweep(opts: SweepOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+          env: Environment | None = None) -> SweepResult:
+    """`harness sweep`: resolve the default model and text, run (or resume) the grid, write report.md."""
+    from dataclasses import replace
+
+    from harness.compare import default_model, resolve_text
+    from harness.gguf_model import read_model_info
+    from harness.report import render_sweep_markdown
+    from harness.runners import ToolRunner
+
+    opts = replace(opts, model=opts.model or default_model(), text=resolve_text(opts.text, None))
+    model, _ = _resolved(opts)
+    result = run_sweep(opts, runner or ToolRunner(), read_model_info(model), env=env, progress=progress)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "report.md").write_text(render_sweep_markdown(result))
+    return result
