@@ -194,6 +194,14 @@ def test_stock_perplexity_runs(stock_build: Build, synth_models: dict[str, Path]
 
 
 @pytest.mark.build
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_perplexity_runs(patched_build: Build, synth_models: dict[str, Path], synth_text_file: Path,
+                                 arch: str) -> None:
+    ppl = _perplexity(patched_build, synth_models[arch], synth_text_file)
+    assert math.isfinite(ppl) and ppl > 1.0
+
+
+@pytest.mark.build
 @pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_stock_perplexity_quantized(stock_build: Build, synth_text_file: Path, tmp_path: Path, arch: str,
