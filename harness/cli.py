@@ -51,7 +51,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- compare and sweep (issue 6; harness/compare.py, harness/sweep.py, harness/report.py) ----------------------
+# ---- compare, sweep, check, report (issue 6: harness/compare.py, sweep.py, check.py, report.py, rerender.py) ----
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -162,7 +162,52 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     w.set_defaults(func=_cmd_sweep)
 
-# ---- end of compare and sweep -----------------------------------------------------------------------------------
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from harness import check, project
+
+    opts = check.CheckOptions(baseline=args.baseline, out=args.out or project.project_root() / "results" / "check",
+                              update=args.update, tolerance_pct=args.tolerance, policies=_words(args.policies),
+                              model=args.model, text=args.text, n_ctx=args.ctx, chunks=args.chunks or None,
+                              threads=args.threads, argv=tuple(sys.argv))
+    result = check.check(opts)
+    for line in result.lines:
+        console.print(f"{'ok  ' if line.ok else 'FAIL'} {line.policy}: {line.message}", highlight=False)
+    if result.updated:
+        console.print(f"baseline written to {result.baseline_path}")
+    return 0 if result.passed else 1
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from harness import rerender
+
+    r = rerender.rerender(args.results, model=args.model)
+    console.print(r.terminal)
+    console.print(f"report: {r.report_path}")
+    return 0
+
+
+def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    k = sub.add_parser("check", help="perplexity regression gate against a recorded baseline (for CI)")
+    k.add_argument("--baseline", type=Path, required=True, help="baseline JSON (written by --update)")
+    k.add_argument("--update", action="store_true", help="run and (re)write the baseline")
+    k.add_argument("--tolerance", type=float, default=0.5, help="allowed worsening of delta PPL, in percentage "
+                   "points, beyond the 95%% CI (written into a new baseline; default: %(default)s)")
+    k.add_argument("--policies", default="quality,speed,fetch-all", help="policies of a new baseline")
+    k.add_argument("--model", type=Path, help="model (default: the baseline's, else the trained model)")
+    k.add_argument("--text", type=Path, help="text (default: the baseline's, else eval/data/heldout.txt)")
+    k.add_argument("--ctx", type=int, default=256, help="context of a new baseline (default: %(default)s)")
+    k.add_argument("--chunks", type=int, default=12, help="chunks of a new baseline (default: %(default)s)")
+    k.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    k.add_argument("--out", type=Path, help="results folder (default: results/check)")
+    k.set_defaults(func=_cmd_check)
+
+    r = sub.add_parser("report", help="re-render the tables and report.md of a compare or sweep results folder")
+    r.add_argument("results", type=Path, help="the --out folder (or its results.jsonl)")
+    r.add_argument("--model", type=Path, help="the model, if it moved since the run")
+    r.set_defaults(func=_cmd_report)
+
+# ---- end of compare, sweep, check, report ------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_compare(sub)
     _add_sweep(sub)
+    _add_check_and_report(sub)
     return p
 
 

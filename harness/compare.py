@@ -492,8 +492,10 @@ def options_json(opts: Any) -> dict[str, Any]:
     """A dataclass of options as JSON (paths and sizes as strings), for the meta record."""
     out: dict[str, Any] = {}
     for k, v in vars(opts).items():
-        if isinstance(v, (Path, Size)):
-            out[k] = str(v)
+        if isinstance(v, Size):
+            out[k] = {"bytes": v.bytes, "fraction": v.fraction}
+        elif isinstance(v, Path):
+            out[k] = str(v.resolve())
         elif isinstance(v, tuple):
             out[k] = [str(x) if isinstance(x, Path) else x for x in v]
         elif v is None or isinstance(v, (str, int, float, bool)):
@@ -617,9 +619,17 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     notes.extend(outcome.notes)
     n_run, n_resumed, interrupted = outcome.n_run, outcome.n_resumed, outcome.interrupted
 
+    return summarize_compare(opts, plan, results, runner.load_nll, gpu, backend, notes, n_run, n_resumed,
+                             interrupted)
+
+
+def summarize_compare(opts: CompareOptions, plan: ComparePlan, results: ResultsFile,
+                      load_nll: Callable[[Path], NllDump], gpu: str, backend: str, notes: Sequence[str],
+                      n_run: int = 0, n_resumed: int = 0, interrupted: bool = False) -> CompareResult:
+    """Every statistic of a comparison, from its records (after a run, or re-rendering later)."""
     records = [r for r in results.read() if r.get("kind") in ("ppl", "bench")]
     warnings = list(results.warnings)
-    nll, nll_warnings = load_nlls(records, runner.load_nll)
+    nll, nll_warnings = load_nlls(records, load_nll)
     warnings.extend(nll_warnings)
     quality, qwarn = summarize_quality(records, nll, opts.policies, n_boot=opts.n_boot, seed=opts.seed)
     warnings.extend(qwarn)
@@ -637,6 +647,47 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
                          n_run, n_resumed, interrupted, tuple(warnings), estimates,
                          (opts.profile or "") if estimates else "")
 
+
+def read_meta(results: ResultsFile, command: str) -> dict[str, Any]:
+    meta = next((r for r in results.read() if r.get("kind") == "meta"), None)
+    if meta is None:
+        raise HarnessError(f"{results.path}: no meta record (not written by this harness, or empty)")
+    if meta.get("command") != command:
+        raise HarnessError(f"{results.path} holds `harness {meta.get('command')}` results, not {command}")
+    return meta
+
+
+def _size(d: Any) -> Size | None:
+    return Size(d.get("bytes"), d.get("fraction")) if isinstance(d, dict) else None
+
+
+def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
+    """A comparison re-read from its results folder (for `harness report`); nothing is run. The model file
+    is read again for the plan (`model` overrides a moved one)."""
+    from harness.expert_trace import read_nll_dump_file
+    from harness.gguf_model import read_model_info
+
+    results = ResultsFile(out / "results.jsonl")
+    meta = read_meta(results, "compare")
+    o = meta["options"]
+    opts = CompareOptions(
+        out=out, model=model or Path(o["model"]), vram=_size(o.get("vram")), policies=tuple(o["policies"]),
+        text=Path(o["text"]) if o.get("text") else None, runs=int(o["runs"]), n_ctx=int(o["n_ctx"]),
+        n_batch=o.get("n_batch"), chunks=o.get("chunks"), n_prompt=int(o["n_prompt"]), n_gen=int(o["n_gen"]),
+        threads=o.get("threads"), reserve_bytes=int(o["reserve_bytes"]), speed=bool(o["speed"]),
+        quality=bool(o["quality"]), bench_cache_mode=str(o["bench_cache_mode"]), n_boot=int(o["n_boot"]),
+        seed=int(o["seed"]), profile=o.get("profile"), argv=tuple(o.get("argv", ())))
+    info = read_model_info(_model(opts))
+    plan = plan_compare(info, opts.vram, reserve_bytes=opts.reserve_bytes)
+    prov = meta["provenance"]
+    gpu = str(prov.get("gpu", "none"))
+    notes = list(plan.notes)
+    if gpu == "none":
+        notes.append("no GPU found: the CPU build ran; speed figures are labelled 'CPU build'")
+    runs = [r for r in results.read() if r.get("kind") == "bench"]
+    if opts.speed and runs and not any(r.get("build") == "patched" for r in runs):
+        notes.append("no speed runs of the patched build were recorded (no engine mode in that build)")
+    return summarize_compare(opts, plan, results, read_nll_dump_file, gpu, str(prov.get("backend", "")), notes)
 
 
 # ---- the command's entry point ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ tested with Pearson r and a Fisher-z 95% CI across the grid points.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from harness.compare import (
 )
 from harness.costmodel import cache_work, estimate, load_profile
 from harness.errors import HarnessError
+from harness.expert_trace import NllDump
 from harness.gguf_model import ModelInfo
 from harness.plan import plan_slots
 from harness.results import ResultsFile
@@ -225,9 +226,16 @@ def run_sweep(opts: SweepOptions, runner: Runner, info: ModelInfo, *, env: Envir
     results = ResultsFile(opts.out / "results.jsonl")
     meta: dict[str, Any] = {"command": "sweep", "options": options_json(opts), "grid": options_json(opts.grid)}
     outcome = execute_runs(sweep_runs(opts, points), runner, builds, prov, fp, results, progress, meta=meta)
+    return summarize_sweep(opts, info, points, results, runner.load_nll, list(outcome.notes), outcome.n_run,
+                           outcome.n_resumed, outcome.interrupted)
+
+
+def summarize_sweep(opts: SweepOptions, info: ModelInfo, points: Sequence[SweepPoint], results: ResultsFile,
+                    load_nll: Callable[[Path], NllDump], notes: list[str], n_run: int = 0, n_resumed: int = 0,
+                    interrupted: bool = False) -> SweepResult:
     records = [r for r in results.read() if r.get("kind") == "ppl"]
-    warnings = list(results.warnings) + list(outcome.notes)
-    nll, nll_warnings = load_nlls(records, runner.load_nll)
+    warnings = list(results.warnings) + notes
+    nll, nll_warnings = load_nlls(records, load_nll)
     warnings += nll_warnings
     names = [p.name for p in points]
     quality, qwarn = summarize_quality(records, nll, names, n_boot=opts.n_boot, seed=opts.seed)
@@ -249,11 +257,31 @@ def run_sweep(opts: SweepOptions, runner: Runner, info: ModelInfo, *, env: Envir
     front = pareto_front([(r.point.name, r.est_ms_per_token, r.delta.delta_pct) for r in rows
                           if r.delta is not None and r.est_ms_per_token is not None])
     full = by_name.get(FULL)
-    if outcome.interrupted:
-        warnings.append(f"interrupted: {outcome.n_run} new runs recorded in {results.path}; run the same command "
+    if interrupted:
+        warnings.append(f"interrupted: {n_run} new runs recorded in {results.path}; run the same command "
                         "again to resume")
     return SweepResult(opts, full.ppl if full else None, tuple(rows), front, mass_hypothesis(rows), results.path,
-                       outcome.n_run, outcome.n_resumed, outcome.interrupted, tuple(warnings))
+                       n_run, n_resumed, interrupted, tuple(warnings))
+
+
+def reload_sweep(out: Path, *, model: Path | None = None) -> SweepResult:
+    """A sweep re-read from its results folder (for `harness report`); nothing is run."""
+    from harness.compare import read_meta
+    from harness.expert_trace import read_nll_dump_file
+    from harness.gguf_model import read_model_info
+
+    results = ResultsFile(out / "results.jsonl")
+    meta = read_meta(results, "sweep")
+    o, g = meta["options"], meta["grid"]
+    grid = SweepGrid(tuple(g["rules"]), tuple(float(x) for x in g["taus"]), tuple(g["admits"]), tuple(g["evicts"]),
+                     tuple(float(x) for x in g["fractions"]))
+    opts = SweepOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
+                        n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
+                        n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
+                        argv=tuple(o.get("argv", ())))
+    m, _ = _resolved(opts)
+    info = read_model_info(m)
+    return summarize_sweep(opts, info, grid_points(grid, info), results, read_nll_dump_file, [])
 
 
 def sweep(opts: SweepOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,

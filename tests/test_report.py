@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
+import pytest
 from test_compare import FakeEnv, FakeRunner, _info
 
-from harness.compare import CompareOptions, CompareResult, run_compare
+from harness.compare import CompareOptions, CompareResult, compare, reload_compare, run_compare
+from harness.errors import HarnessError
+from harness.expert_trace import NllDump
+from harness.project import Build
 from harness.report import render_compare_markdown, render_compare_text
+from harness.runners import PerplexityRequest, PerplexityRun
+from harness.sizes import parse_size
+from harness.sweep import reload_sweep
 
 
 def _result(tmp_path: Path, gpu: str = "none", runs: int = 3) -> CompareResult:
@@ -64,3 +72,56 @@ def test_estimates_are_labelled_as_estimates(tmp_path: Path) -> None:
     (tmp_path / "g").mkdir()
     gpu = _result(tmp_path / "g", gpu="NVIDIA RTX 3090")
     assert gpu.estimates == () and "ESTIMATED" not in render_compare_text(gpu)
+
+
+def _write_dump(path: Path, d: NllDump) -> None:
+    # the documented format (docs/expert-cache.md, "Per-token NLL dump")
+    count = d.nll.size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"LLNLLDMP" + struct.pack("<4IQ", 1, d.n_ctx, d.first, d.n_chunk, count)
+                     + d.tokens.astype("<i4").tobytes() + d.nll.astype("<f8").tobytes())
+
+
+class FileFake(FakeRunner):
+    """The fake runner, writing its NLL dumps to disk as llama-perplexity does."""
+
+    def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
+        run = super().perplexity(build, req)
+        if req.nll_dump is not None:
+            _write_dump(req.nll_dump, self.dumps[req.nll_dump])
+        return run
+
+
+def test_reload_compare_renders_the_same_report(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = CompareOptions(out=tmp_path / "out", model=synth_models["qwen3moe"], text=text, runs=2,
+                          policies=("quality", "speed"), vram=parse_size("80%"), argv=("harness", "compare"))
+    first = compare(opts, runner=FileFake(), env=FakeEnv(tmp_path))
+    again = reload_compare(tmp_path / "out")
+    assert again.options.vram == parse_size("80%") and again.plan.budget_bytes == first.plan.budget_bytes
+    assert [(q.config, q.ppl, q.delta) for q in again.quality] == [(q.config, q.ppl, q.delta) for q in first.quality]
+    assert [(r.config, r.test, r.tokens_per_s) for r in again.speed] == [
+        (r.config, r.test, r.tokens_per_s) for r in first.speed]
+    assert render_compare_markdown(again).split("## Provenance")[0] == (
+        render_compare_markdown(first).split("## Provenance")[0])
+    with pytest.raises(HarnessError, match="not sweep"):
+        reload_sweep(tmp_path / "out")
+    with pytest.raises(HarnessError, match="no meta record"):
+        reload_compare(tmp_path)
+
+
+def test_rerender_dispatches_on_the_meta_record(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    from harness.rerender import rerender
+
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = CompareOptions(out=tmp_path / "out", model=synth_models["qwen3moe"], text=text, runs=1,
+                          policies=("quality",), speed=False)
+    compare(opts, runner=FileFake(), env=FakeEnv(tmp_path))
+    (tmp_path / "out" / "report.md").unlink()
+    r = rerender(tmp_path / "out" / "results.jsonl")
+    assert r.command == "compare" and r.report_path.read_text() == r.markdown
+    assert "## Quality" in r.markdown and "## Speed" not in r.markdown
+    with pytest.raises(HarnessError, match="no results"):
+        rerender(tmp_path)

@@ -121,3 +121,29 @@ def test_run_sweep_with_a_fake_runner(tmp_path: Path) -> None:
     again.dumps = runner.dumps
     res2 = run_sweep(opts, again, _info(), env=FakeEnv(tmp_path))
     assert again.calls == [] and res2.n_resumed == 6
+
+
+def test_reload_sweep(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    from test_report import _write_dump
+
+    from harness.sweep import reload_sweep
+
+    class FileSweepFake(SweepFake):
+        def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
+            run = super().perplexity(build, req)
+            if req.nll_dump is not None:
+                _write_dump(req.nll_dump, self.dumps[req.nll_dump])
+            return run
+
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = SweepOptions(out=tmp_path / "out", model=synth_models["qwen3moe"], text=text,
+                        grid=SweepGrid(rules=("fetch-all", "threshold"), taus=(0.1, 0.2, 0.3), admits=("off",)))
+    from harness.gguf_model import read_model_info
+
+    first = run_sweep(opts, FileSweepFake(), read_model_info(synth_models["qwen3moe"]), env=FakeEnv(tmp_path))
+    assert len(first.rows) == 4
+    again = reload_sweep(tmp_path / "out")
+    assert [r.point.name for r in again.rows] == [r.point.name for r in first.rows]
+    assert [r.delta for r in again.rows] == [r.delta for r in first.rows]
+    assert again.mass.correlation == first.mass.correlation

@@ -1,0 +1,176 @@
+"""`harness check --baseline FILE`: a perplexity regression gate for CI.
+
+Runs the recorded configuration (quality only: the full model and each policy in emulate mode on the same
+tokens), and compares every policy's paired delta-PPL% with the baseline's. A policy fails when its delta
+got worse than the baseline by more than the tolerance *beyond its CI*: the lower end of the new 95% CI
+exceeds baseline + tolerance. The full model's PPL must also be the baseline's (else the model, text or
+build changed and the baseline means nothing). `--update` (re)writes the baseline from this run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import project
+from harness.compare import FULL, CompareOptions, CompareResult, Environment, Progress, _no_progress, compare
+from harness.errors import HarnessError
+from harness.runners import Runner
+
+SCHEMA = "moe-subst/ppl-baseline"
+SCHEMA_VERSION = 1
+FULL_PPL_RTOL = 1e-6  # the full model runs the stock graph: its PPL is reproducible on one build
+
+
+@dataclass(frozen=True)
+class Baseline:
+    model: str
+    text: str
+    n_ctx: int
+    chunks: int | None
+    tolerance_pct: float
+    full_ppl: float
+    policies: Mapping[str, Mapping[str, float]]  # name -> delta_pct, low, high, ppl
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "model": self.model, "text": self.text,
+                "n_ctx": self.n_ctx, "chunks": self.chunks, "tolerance_pct": self.tolerance_pct,
+                "full_ppl": self.full_ppl, "policies": {k: dict(v) for k, v in self.policies.items()}}
+
+
+def read_baseline(path: Path) -> Baseline:
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise HarnessError(f"cannot read the baseline {path}: {e.strerror} (create it with --update)") from None
+    except ValueError as e:
+        raise HarnessError(f"{path} is not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("schema_version") != SCHEMA_VERSION:
+        raise HarnessError(f"{path} is not a {SCHEMA} version {SCHEMA_VERSION} file")
+    try:
+        return Baseline(str(doc["model"]), str(doc["text"]), int(doc["n_ctx"]),
+                        int(doc["chunks"]) if doc.get("chunks") is not None else None, float(doc["tolerance_pct"]),
+                        float(doc["full_ppl"]),
+                        {str(k): {kk: float(vv) for kk, vv in v.items()} for k, v in doc["policies"].items()})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise HarnessError(f"{path}: damaged baseline ({type(e).__name__}: {e})") from None
+
+
+def baseline_from(result: CompareResult, tolerance_pct: float, root: Path) -> Baseline:
+    o = result.options
+    policies: dict[str, dict[str, float]] = {}
+    full = None
+    for q in result.quality:
+        if q.config == FULL:
+            full = q.ppl
+        elif q.delta is not None:
+            policies[q.config] = {"delta_pct": q.delta.delta_pct, "low": q.delta.low, "high": q.delta.high,
+                                  "ppl": q.ppl}
+    if full is None or not policies:
+        raise HarnessError("the run produced no paired deltas (are the NLL dumps readable?): baseline not written")
+
+    def rel(p: Path | None) -> str:
+        assert p is not None
+        try:
+            return str(p.resolve().relative_to(root))
+        except ValueError:
+            return str(p)
+
+    return Baseline(rel(o.model), rel(o.text), o.n_ctx, o.chunks, tolerance_pct, full, policies)
+
+
+@dataclass(frozen=True)
+class GateLine:
+    policy: str
+    ok: bool
+    message: str
+    baseline_pct: float | None = None
+    delta_pct: float | None = None
+    low: float | None = None
+    high: float | None = None
+
+
+def gate(baseline: Baseline, result: CompareResult) -> tuple[GateLine, ...]:
+    """Pure: one line per check, ok or not."""
+    lines: list[GateLine] = []
+    by = {q.config: q for q in result.quality}
+    full = by.get(FULL)
+    if full is None:
+        lines.append(GateLine(FULL, False, "the full-model run is missing"))
+    elif not math.isclose(full.ppl, baseline.full_ppl, rel_tol=FULL_PPL_RTOL):
+        lines.append(GateLine(FULL, False, f"the full model's PPL is {full.ppl:.6f}, the baseline's "
+                              f"{baseline.full_ppl:.6f}: the model, text or build changed; if that is intended, "
+                              "rerun with --update"))
+    else:
+        lines.append(GateLine(FULL, True, f"full model PPL {full.ppl:.4f} as in the baseline"))
+    tol = baseline.tolerance_pct
+    for name, b in baseline.policies.items():
+        q = by.get(name)
+        if q is None or q.delta is None:
+            note = f" ({q.note})" if q and q.note else ""
+            lines.append(GateLine(name, False, "no paired delta in this run" + note))
+            continue
+        d = q.delta
+        ok = d.low <= b["delta_pct"] + tol
+        verdict = "ok" if ok else "REGRESSION"
+        lines.append(GateLine(name, ok, f"{verdict}: delta {d.delta_pct:+.3f}% [95% CI {d.low:+.3f}, {d.high:+.3f}] "
+                              f"vs baseline {b['delta_pct']:+.3f}% (tolerance {tol:g} points)",
+                              b["delta_pct"], d.delta_pct, d.low, d.high))
+    return tuple(lines)
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    baseline: Path
+    out: Path
+    update: bool = False
+    tolerance_pct: float = 0.5  # used when writing a baseline
+    policies: tuple[str, ...] = ("quality", "speed", "fetch-all")  # used when writing a new baseline
+    model: Path | None = None  # default: the baseline's, else the trained model
+    text: Path | None = None
+    n_ctx: int = 256
+    chunks: int | None = 12
+    threads: int | None = None
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    lines: tuple[GateLine, ...]
+    passed: bool
+    updated: bool
+    baseline_path: Path
+    compare: CompareResult
+
+
+def check(opts: CheckOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+          env: Environment | None = None, root: Path | None = None) -> CheckResult:
+    root = root or project.project_root()
+    base = read_baseline(opts.baseline) if opts.baseline.is_file() else None
+    if base is None and not opts.update:
+        raise HarnessError(f"no baseline at {opts.baseline}: create it with --update")
+
+    def at(p: str) -> Path:
+        return Path(p) if Path(p).is_absolute() else root / p
+
+    copts = CompareOptions(
+        out=opts.out, model=opts.model or (at(base.model) if base else None),
+        text=opts.text or (at(base.text) if base else None),
+        policies=tuple(base.policies) if base and not opts.update else opts.policies,
+        n_ctx=base.n_ctx if base and not opts.update else opts.n_ctx,
+        chunks=base.chunks if base and not opts.update else opts.chunks,
+        threads=opts.threads, speed=False, quality=True, argv=opts.argv, profile=None)
+    result = compare(copts, progress, runner=runner, env=env)
+    if opts.update:
+        new = baseline_from(result, base.tolerance_pct if base else opts.tolerance_pct, root)
+        opts.baseline.parent.mkdir(parents=True, exist_ok=True)
+        opts.baseline.write_text(json.dumps(new.to_json(), indent=1) + "\n")
+        lines = gate(new, result)
+        return CheckResult(lines, all(x.ok for x in lines), True, opts.baseline, result)
+    assert base is not None
+    lines = gate(base, result)
+    return CheckResult(lines, all(x.ok for x in lines) and not result.interrupted, False, opts.baseline, result)

@@ -1,0 +1,44 @@
+"""`harness report RESULTS`: re-read a results folder of `compare` or `sweep` and render it again (terminal and
+report.md). Nothing is run; every statistic is recomputed from the raw records and NLL dumps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Group
+
+from harness.compare import read_meta, reload_compare
+from harness.errors import HarnessError
+from harness.report import render_compare, render_compare_markdown, render_sweep, render_sweep_markdown
+from harness.results import ResultsFile
+from harness.sweep import reload_sweep
+
+
+@dataclass(frozen=True)
+class Rerendered:
+    command: str
+    terminal: Group
+    markdown: str
+    report_path: Path
+
+
+def rerender(out: Path, *, model: Path | None = None) -> Rerendered:
+    path = out / "results.jsonl" if out.is_dir() else out
+    if not path.is_file():
+        raise HarnessError(f"no results at {path}: pass the --out folder of a compare or sweep run")
+    folder = path.parent
+    meta = next((r for r in ResultsFile(path).read() if r.get("kind") == "meta"), None)
+    command = str(meta.get("command")) if meta else ""
+    if command == "compare":
+        c = reload_compare(folder, model=model)
+        terminal, md = render_compare(c), render_compare_markdown(c)
+    elif command == "sweep":
+        s = reload_sweep(folder, model=model)
+        terminal, md = render_sweep(s), render_sweep_markdown(s)
+    else:
+        read_meta(ResultsFile(path), "compare")  # raises with the reason
+        raise HarnessError(f"{path}: unknown command {command!r}")
+    report = folder / "report.md"
+    report.write_text(md)
+    return Rerendered(command, terminal, md, report)

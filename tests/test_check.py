@@ -1,0 +1,89 @@
+"""harness.check: the regression gate (pure cases by hand) and the command with a fake runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_compare import FakeEnv, FakeRunner
+
+from harness.check import Baseline, CheckOptions, check, gate, read_baseline
+from harness.errors import HarnessError
+
+
+def _setup(tmp_path: Path, synth: Path) -> CheckOptions:
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    return CheckOptions(baseline=tmp_path / "baseline.json", out=tmp_path / "out", model=synth, text=text,
+                        policies=("quality", "speed"), tolerance_pct=0.5)
+
+
+def test_update_writes_a_baseline_and_the_same_run_passes(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    with pytest.raises(HarnessError, match="create it with --update"):
+        check(opts, runner=FakeRunner(), env=FakeEnv(tmp_path), root=tmp_path)
+    up = check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path),
+               root=tmp_path)
+    assert up.updated and up.passed
+    doc = json.loads(opts.baseline.read_text())
+    assert doc["schema"] == "moe-subst/ppl-baseline" and set(doc["policies"]) == {"quality", "speed"}
+    assert doc["text"] == "t.txt" and doc["tolerance_pct"] == 0.5
+    base = read_baseline(opts.baseline)
+    assert base.policies["speed"]["delta_pct"] == pytest.approx(100 * (2.718281828459045 ** 0.05 - 1))
+    again = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "out2"}), runner=FakeRunner(),
+                  env=FakeEnv(tmp_path), root=tmp_path)
+    assert again.passed and not again.updated and len(again.lines) == 3
+
+
+def test_a_worse_policy_fails_the_gate(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path),
+          root=tmp_path)
+
+    class Worse(FakeRunner):
+        SHIFT = {**FakeRunner.SHIFT, "speed": 0.06}  # +6.18% instead of +5.13%: beyond the 0.5-point tolerance
+
+    res = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "o2"}), runner=Worse(), env=FakeEnv(tmp_path),
+                root=tmp_path)
+    assert not res.passed
+    bad = [ln for ln in res.lines if not ln.ok]
+    assert [ln.policy for ln in bad] == ["speed"] and "REGRESSION" in bad[0].message
+
+
+def _base(delta: float, tol: float = 0.5) -> Baseline:
+    return Baseline("m.gguf", "t.txt", 256, 12, tol, 10.0, {"quality": {"delta_pct": delta, "low": 0, "high": 0}})
+
+
+def test_gate_rule_by_hand(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    res = check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path),
+                root=tmp_path).compare
+    q = next(x for x in res.quality if x.config == "quality")
+    assert q.delta is not None
+    d = q.delta.delta_pct  # the fake's quality shift: a constant 0.001 nats, so the CI is [d, d]
+    full = next(x for x in res.quality if x.config == "full").ppl
+    ok = Baseline("m", "t", 256, 12, 0.5, full, {"quality": {"delta_pct": d - 0.499, "low": 0.0, "high": 0.0}})
+    assert all(ln.ok for ln in gate(ok, res))  # just within the tolerance: passes
+    worse = Baseline("m", "t", 256, 12, 0.5, full, {"quality": {"delta_pct": d - 0.51, "low": 0.0, "high": 0.0}})
+    assert [ln.ok for ln in gate(worse, res)] == [True, False]
+    changed = Baseline("m", "t", 256, 12, 0.5, full * 1.001, {})
+    (line,) = gate(changed, res)
+    assert not line.ok and "model, text or build changed" in line.message
+    missing = Baseline("m", "t", 256, 12, 0.5, full, {"rule-0.15": {"delta_pct": 0.0, "low": 0.0, "high": 0.0}})
+    assert "no paired delta" in gate(missing, res)[1].message
+
+
+def test_damaged_baselines(tmp_path: Path) -> None:
+    p = tmp_path / "b.json"
+    p.write_text("{")
+    with pytest.raises(HarnessError, match="not JSON"):
+        read_baseline(p)
+    p.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(HarnessError, match="not a moe-subst/ppl-baseline"):
+        read_baseline(p)
+    p.write_text(json.dumps({**_base(1.0).to_json(), "full_ppl": "x"}))
+    with pytest.raises(HarnessError, match="damaged baseline"):
+        read_baseline(p)
+    p.write_text(json.dumps(_base(1.0).to_json()))
+    assert read_baseline(p) == _base(1.0)
