@@ -207,7 +207,89 @@ def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParse
     r.add_argument("--model", type=Path, help="the model, if it moved since the run")
     r.set_defaults(func=_cmd_report)
 
-# ---- end of compare, sweep, check, report ------------------------------------------------------------------------
+
+def _cmd_topics(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness import project, report, topics
+
+    opts = topics.TopicOptions(out=args.out or project.project_root() / "results" / "topics", model=args.model,
+                               text=args.text, tokenizer=args.tokenizer, policy=args.policy,
+                               fraction=args.residency / 100, window=args.window, n_ctx=args.ctx,
+                               chunks=args.chunks or None, threads=args.threads, argv=tuple(sys.argv))
+    result = topics.topic_shift(opts)
+    console.print(Markdown(report.render_topics_markdown(result)))
+    return 0
+
+
+def _add_topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    t = sub.add_parser("topics", help="background admission after topic changes (eval/data/topic-shift.txt)")
+    t.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
+    t.add_argument("--tokenizer", type=Path, help="the model's Hugging Face tokenizer.json (default: models/)")
+    t.add_argument("--text", type=Path, help="text with a .json of segments beside it "
+                   "(default: eval/data/topic-shift.txt)")
+    t.add_argument("--policy", default="quality", help="quality or speed (default: %(default)s)")
+    t.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
+    t.add_argument("--window", type=int, default=256, help="tokens after a change (default: %(default)s)")
+    t.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
+    t.add_argument("--chunks", type=int, default=0, help="perplexity chunks, 0 = all (default: %(default)s)")
+    t.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    t.add_argument("--out", type=Path, help="results folder (default: results/topics)")
+    t.set_defaults(func=_cmd_topics)
+
+# ---- end of compare, sweep, check, report, topics ----------------------------------------------------------------
+
+
+# ---- simulate, calibrate (issue 7: harness/simulate.py) ---------------------------------------------------------
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from harness import simulate
+
+    opts = simulate.SimulateOptions(
+        trace=args.trace, model=args.model,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        residencies=tuple(r.strip() for r in args.residency.split(",") if r.strip()),
+        profile=args.profile)
+    rows = simulate.simulate(opts)
+    print(simulate.render_simulate(rows, markdown=args.markdown), end="")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from harness import simulate
+
+    fit = simulate.run_calibrate(args.runs, args.base, args.output, args.name)
+    print(simulate.render_profile(fit) + f"wrote {args.output}")
+    return 0
+
+
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.compare import KNOWN_POLICIES
+    from harness.costmodel import list_profiles
+
+    s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
+                       "(cost model: estimates, not measurements)")
+    s.add_argument("--trace", type=Path, required=True, help="a router trace (LLAMA_MOE_CACHE=...,trace=FILE)")
+    s.add_argument("--model", type=Path, required=True, help="the .gguf the trace was recorded with")
+    s.add_argument("--policies", default="quality,speed,fetch-all",
+                   help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s; fetch-all, "
+                   "the baseline, is always included)")
+    s.add_argument("--residency", default="10%,25%,50%", help="comma-separated slots per layer: percentages of "
+                   "each layer's experts or counts (default: %(default)s)")
+    s.add_argument("--profile", default="rtx3090",
+                   help=f"hardware profile: {', '.join(list_profiles())}, or a profile .json (default: %(default)s)")
+    s.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    s.set_defaults(func=_cmd_simulate)
+
+    c = sub.add_parser("calibrate", help="fit a hardware profile's constants to measured engine runs")
+    c.add_argument("runs", type=Path, help='JSON lines: {"work": {TokenWork fields}, "ms": ms per token}')
+    c.add_argument("--base", default="rtx3090", help="the profile to start from, a name or a .json (default: "
+                   "%(default)s); constants the runs do not identify keep its values")
+    c.add_argument("-o", "--output", type=Path, required=True, help="where to write the fitted profile (.json)")
+    c.add_argument("--name", help="the fitted profile's name (default: <base>-calibrated)")
+    c.set_defaults(func=_cmd_calibrate)
+
+# ---- end of simulate, calibrate ---------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_sweep(sub)
     _add_check_and_report(sub)
+    _add_simulate(sub)
     return p
 
 

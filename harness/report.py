@@ -12,7 +12,9 @@ from rich.text import Text
 
 from harness.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
 from harness.sizes import format_bytes
+from harness.stats import DeltaPPL
 from harness.sweep import SweepResult, SweepRow
+from harness.topics import TopicResult
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:
@@ -219,4 +221,25 @@ def render_sweep_markdown(result: SweepResult) -> str:
     if result.warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
     lines += [f"Raw records: `{result.results_path}`; command: `{' '.join(o.argv) or 'harness sweep'}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- topic changes ----------------------------------------------------------------------------------------------
+
+def _d(d: DeltaPPL | None) -> str:
+    return f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]" if d is not None else "-"
+
+
+def render_topics_markdown(result: TopicResult) -> str:
+    o = result.options
+    lines = ["# Admission after topic changes", "",
+             f"Text `{o.text}` with {result.n_boundaries} topic changes; policy `{o.policy}` in emulate mode, with "
+             f"its background admission and with `admit=off`, on the same {result.n_scored} scored tokens. "
+             f"\"After a change\" = the first {o.window} tokens of each new segment ({result.n_after_change} scored "
+             "tokens). Deltas are paired, with 95% CIs from a block bootstrap over chunks.", "",
+             _md_table(["comparison", "overall", "after a change", "elsewhere"],
+                       [[r.label, _d(r.overall), _d(r.after_change), _d(r.elsewhere)] for r in result.rows]), ""]
+    if result.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
+    lines += [f"Raw records: `{result.results_path}`.", ""]
     return "\n".join(lines)
