@@ -68,6 +68,7 @@ POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
 KNOWN_POLICIES = tuple(POLICIES)
 STOCK = "stock"
 FULL = "full"
+NO_GPU_NOTE = "no GPU found: the CPU build runs; speed figures are labelled 'CPU build'"
 
 Progress = Callable[[int, int, str], None]  # (done, total, label of the run that starts or was skipped)
 
@@ -161,6 +162,10 @@ def plan_compare(info: ModelInfo, vram: Size | None, *, reserve_bytes: int = 0,
                      ": nothing is offloaded, both builds run fully on the device and the cache has nothing "
                      "to do; pass a smaller --vram to compare offloading")
     slots = plan_slots(info, Size(bytes=budget), reserve=reserve_bytes)
+    if slots.slots_per_layer <= info.n_expert_used:
+        notes.append(f"only {slots.slots_per_layer} slots per layer for {info.n_expert_used} experts per token: "
+                     "every resident expert is in use by almost every token, so eviction has little and background "
+                     "admission no room to act; give a larger --vram to see admission work")
     gpu_layers = stock_gpu_moe_layers(info, budget, reserve_bytes)
     stock = Placement(n_cpu_moe=_n_cpu_moe_for(info, gpu_layers))
     patched = Placement(n_cpu_moe=info.n_layers)  # all expert tensors stay in host memory
@@ -611,7 +616,7 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     fp = fingerprint(opts, plan, dict(prov.binaries))
     notes = list(plan.notes)
     if gpu == "none":
-        notes.append("no GPU found: running the CPU build; speed figures are labelled 'CPU build'")
+        notes.append(NO_GPU_NOTE)
 
     results = ResultsFile(opts.out / "results.jsonl")
     outcome = execute_runs(plan_runs(opts, plan), runner, builds, prov, fp, results, progress,
@@ -683,7 +688,7 @@ def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
     gpu = str(prov.get("gpu", "none"))
     notes = list(plan.notes)
     if gpu == "none":
-        notes.append("no GPU found: the CPU build ran; speed figures are labelled 'CPU build'")
+        notes.append(NO_GPU_NOTE)
     runs = [r for r in results.read() if r.get("kind") == "bench"]
     if opts.speed and runs and not any(r.get("build") == "patched" for r in runs):
         notes.append("no speed runs of the patched build were recorded (no engine mode in that build)")

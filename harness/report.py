@@ -45,7 +45,7 @@ def plan_lines(plan: ComparePlan) -> list[str]:
         f"experts, {format_bytes(s.cache_bytes)}); all {format_bytes(plan.host_expert_bytes_patched)} of experts "
         "in host memory",
     ]
-    return lines + list(plan.notes)
+    return lines
 
 
 def _speed_cells(r: SpeedRow) -> tuple[str, str, str, str]:
@@ -82,7 +82,7 @@ def _quality_cells(r: QualityRow) -> tuple[str, str, str, str, str, str]:
 
 def render_compare(result: CompareResult) -> Group:
     """The terminal view: plan, quality table, speed table, budget verdict, warnings."""
-    parts: list[Table | Text] = [Text("\n".join(plan_lines(result.plan)))]
+    parts: list[Table | Text] = [Text("\n".join(plan_lines(result.plan) + list(result.notes)))]
     if result.quality:
         t = Table(title="quality (same tokens; PPL ± one SE; delta vs the full model, 95% CI by block bootstrap)",
                   title_justify="left")
@@ -134,7 +134,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 def render_compare_markdown(result: CompareResult) -> str:
     o = result.options
     lines = ["# harness compare", ""]
-    lines += [f"- {ln}" for ln in plan_lines(result.plan)]
+    lines += [f"- {ln}" for ln in plan_lines(result.plan) + list(result.notes)]
     lines += [f"- GPU: {result.gpu}; backend: {result.backend}", ""]
     if result.quality:
         lines += ["## Quality", "",

@@ -308,8 +308,17 @@ class ToolRunner:
     def bench(self, build: Build, req: BenchRequest) -> BenchRun:
         if req.cache is not None and build.name != "patched":
             raise HarnessError(f"a cache configuration needs the patched build, not {build.name}")
-        out = run_tool(build.tool("llama-bench"), bench_args(req), env=_cache_env(req.cache),
-                       timeout_s=self.timeout_s)
+        try:
+            out = run_tool(build.tool("llama-bench"), bench_args(req), env=_cache_env(req.cache),
+                           timeout_s=self.timeout_s)
+        except ToolCrashedError as e:
+            # llama-bench hides libllama's log unless -v: repeat a failed context creation verbosely, so the
+            # error names its cause (such as a cache spec the build rejects)
+            if "failed to create context" not in str(e) or "-v" in req.extra_args:
+                raise
+            run_tool(build.tool("llama-bench"), [*bench_args(req), "-v"], env=_cache_env(req.cache),
+                     timeout_s=self.timeout_s)
+            raise
         try:
             results = parse_bench_json(out.stdout)
         except ParseError as e:

@@ -284,6 +284,8 @@ def test_plan_compare_placements() -> None:
     assert any("nothing is offloaded" in n for n in whole.notes)
     default = plan_compare(info, None)
     assert any("no --vram" in n for n in default.notes) and default.slots.slots_per_layer == 2
+    assert any("admission no room" in n for n in default.notes)  # 2 slots for top-2
+    assert not any("admission no room" in n for n in plan_compare(info, Size(fraction=0.5)).notes)
     ram = plan_compare(info, None, host_available_bytes=80 * MiB)
     assert any("patched" in n and "mmap" in n for n in ram.notes)
     assert not any(n.startswith("stock") and "mmap" in n for n in ram.notes)  # stock needs 72 MiB of host RAM

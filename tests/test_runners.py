@@ -124,3 +124,20 @@ def test_cache_settings_need_the_patched_build(tmp_path: Path) -> None:
     req = PerplexityRequest(Path("m"), Path("t"), Placement(), cache=CacheSpec("emulate", "quality"))
     with pytest.raises(HarnessError, match="needs the patched build"):
         ToolRunner().perplexity(build, req)
+
+
+def test_a_failed_bench_context_is_repeated_verbosely(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(bin_dir / "llama-bench", """case "$*" in
+  *-v*) echo "llama_init_from_model: failed to initialize the context: LLAMA_MOE_CACHE='mode=engine': \\
+bad value 'engine' for key 'mode' (accepted: off, emulate)" >&2 ;;
+esac
+echo "llama_bench: error: failed to create context with model 'm.gguf'" >&2
+echo "["
+exit 1
+""")
+    req = BenchRequest(Path("m.gguf"), Placement(), cache=CacheSpec("engine"))
+    with pytest.raises(ToolCrashedError, match="bad value 'engine' for key 'mode'") as e:
+        ToolRunner().bench(Build("patched", "cpu", bin_dir), req)
+    assert " -v" in str(e.value)
