@@ -57,3 +57,18 @@ def test_rejects_what_is_not_these_statistics() -> None:
         parse_cache_stats(_doc(total=_counters(substituted_mass=float("nan"))))
     with pytest.raises(ParseError, match="total.calls is -1"):
         parse_cache_stats(_doc(total=_counters(calls=-1)))
+
+
+def test_captured_document_of_the_patched_build() -> None:
+    # written by the patched CPU build: `harness compare --vram 50% --policies quality` on the generated qwen3moe
+    # model (tests/data/README.md)
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "data" / "patched-cpu" / "cache-stats-quality.json"
+    s = parse_cache_stats(path.read_text())
+    assert s.policy == "quality"
+    assert (s.calls, s.substitutions, s.fetches, s.admissions, s.tokens) == (6144, 888, 917, 12, 768)
+    assert s.substitution_rate == pytest.approx(888 / 6144)
+    assert s.fetches_per_token == pytest.approx(917 / 768)
+    assert s.substituted_mass == pytest.approx(0.04606477478944271)
+    assert s.subst_first_choice == 0  # the 0.15 rule always fetches a missed first choice
