@@ -45,7 +45,8 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
     spec = synth.SynthSpec(arch=args.arch, n_layer=args.layers, n_expert=args.experts,
                            n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff,
-                           dtype=args.dtype, seed=args.seed)
+                           n_ff_shexp=args.ff_shexp, n_head=args.heads, n_head_kv=args.kv_heads,
+                           n_ctx=args.ctx, n_vocab=args.vocab, dtype=args.dtype, seed=args.seed)
     path = synth.write_synth_model(spec, args.output)
     console.print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MiB): {spec}")
     return 0
@@ -237,7 +238,37 @@ def _add_topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     t.add_argument("--out", type=Path, help="results folder (default: results/topics)")
     t.set_defaults(func=_cmd_topics)
 
-# ---- end of compare, sweep, check, report, topics ----------------------------------------------------------------
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness import project, report, study
+
+    opts = study.StudyOptions(out=args.out or project.project_root() / "results" / "study", model=args.model,
+                              text=args.text, residency=args.residency / 100, n_ctx=args.ctx,
+                              chunks=args.chunks or None, threads=args.threads, topics=not args.no_topics,
+                              tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv))
+    result = study.study(opts)
+    console.print(Markdown(report.render_study_markdown(result)))
+    return 0
+
+
+def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("study", help="re-test the study's findings on a model (compare + sweep + topics), "
+                       "with verdicts")
+    s.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
+    s.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
+    s.add_argument("--tokenizer", type=Path, help="the model's tokenizer.json, for the topic-change part")
+    s.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
+    s.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
+    s.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
+    s.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    s.add_argument("--no-topics", action="store_true", help="skip the topic-change part")
+    s.add_argument("--out", type=Path, help="results folder (default: results/study); an existing one is resumed")
+    s.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    s.set_defaults(func=_cmd_study)
+
+# ---- end of compare, sweep, check, report, topics, study ---------------------------------------------------------
 
 
 # ---- simulate, calibrate (issue 7: harness/simulate.py) ---------------------------------------------------------
@@ -311,13 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="write a small random-weight MoE GGUF (deterministic by seed)")
     s.add_argument("-o", "--output", type=Path, required=True, help="where to write the .gguf")
-    s.add_argument("--arch", default="qwen3moe", help="architecture (qwen3moe, qwen2moe, ...)")
+    s.add_argument("--arch", default="qwen3moe", help="qwen3moe (softmax, normalised top-k), qwen2moe (shared "
+                   "expert), hy_v3 (merged gate_up experts, sigmoid router)")
     s.add_argument("--layers", type=int, default=2)
     s.add_argument("--experts", type=int, default=16)
     s.add_argument("--top-k", type=int, default=4)
     s.add_argument("--embd", type=int, default=64)
     s.add_argument("--ff", type=int, default=32, help="expert FFN size")
-    s.add_argument("--dtype", default="f32", help="f32, f16, q8_0, q4_k")
+    s.add_argument("--ff-shexp", type=int, default=64, help="shared-expert FFN size (qwen2moe, hy_v3)")
+    s.add_argument("--heads", type=int, default=4)
+    s.add_argument("--kv-heads", type=int, default=2)
+    s.add_argument("--ctx", type=int, default=512, help="training context length")
+    s.add_argument("--vocab", type=int, default=512, help="vocabulary size (>= 259)")
+    s.add_argument("--dtype", default="f32", help="f32, f16, q8_0, q4_0 (the gguf package cannot write q4_k: "
+                   "write f16 and quantize with llama-quantize)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
 
