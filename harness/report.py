@@ -13,6 +13,7 @@ from rich.text import Text
 from harness.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
 from harness.sizes import format_bytes
 from harness.stats import DeltaPPL
+from harness.study import StudyResult
 from harness.sweep import SweepResult, SweepRow
 from harness.topics import TopicResult
 
@@ -242,4 +243,43 @@ def render_topics_markdown(result: TopicResult) -> str:
     if result.warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
     lines += [f"Raw records: `{result.results_path}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- study ------------------------------------------------------------------------------------------------------
+
+def render_study_markdown(result: StudyResult) -> str:
+    o = result.options
+    c = result.compare
+    lines = ["# The study's findings, re-tested", "",
+             f"Model `{c.options.model}`, {o.residency:.0%} of each layer's experts resident "
+             f"({c.plan.slots.slots_per_layer} of {c.plan.info.n_expert} slots per layer), text `{c.options.text}`, "
+             f"context {o.n_ctx}. Everything runs in the patched build's emulate mode on the same tokens; every "
+             "delta is paired, with a 95% CI from a block bootstrap over chunks. Regenerate with "
+             f"`{' '.join(o.argv) or 'harness study'}`.", "", "## Verdicts", ""]
+    word = {True: "held", False: "did not hold", None: "not tested"}
+    for v in result.verdicts:
+        lines += [f"- **{v.finding}: {word[v.held]}.** {v.evidence}."]
+    lines += ["", "## Policies against the full model", "",
+              _md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass", "fetches/token"],
+                        [list(_quality_cells(q)) for q in c.quality]), ""]
+    if result.pairs:
+        lines += ["## Paired comparisons between policies", "",
+                  _md_table(["comparison", "delta PPL [95% CI]"], [[k, _d(v)] for k, v in result.pairs.items()]), ""]
+    lines += ["## Mass hypothesis (sweep)", "", mass_line(result.sweep), "",
+              _md_table(_SWEEP_HEADER, [_sweep_cells(r, result.sweep.frontier) for r in result.sweep.rows]), ""]
+    lines += ["## Admission after topic changes", ""]
+    if result.topics is not None:
+        t = result.topics
+        lines += [_md_table(["comparison", "overall", "after a change", "elsewhere"],
+                            [[r.label, _d(r.overall), _d(r.after_change), _d(r.elsewhere)] for r in t.rows]), "",
+                  f"{t.n_boundaries} topic changes, {t.n_after_change} of {t.n_scored} scored tokens within "
+                  f"{t.options.window} tokens after one.", ""]
+    else:
+        lines += [result.topics_note, ""]
+    notes = list(c.notes) + list(c.warnings) + list(result.sweep.warnings)
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    lines += ["Speed findings (3, 6 and the time halves of 5) need the engine and a GPU and are not tested here; "
+              "the sweep's `est. ms/token` is a cost-model estimate, not a measurement.", ""]
     return "\n".join(lines)
