@@ -147,3 +147,23 @@ def test_reload_sweep(tmp_path: Path, synth_models: dict[str, Path]) -> None:
     assert [r.point.name for r in again.rows] == [r.point.name for r in first.rows]
     assert [r.delta for r in again.rows] == [r.delta for r in first.rows]
     assert again.mass.correlation == first.mass.correlation
+
+
+@pytest.mark.build
+def test_sweep_with_the_real_builds(patched_build: Build, synth_models: dict[str, Path], synth_text_file: Path,
+                                    tmp_path: Path) -> None:
+    from harness.sweep import sweep
+
+    opts = SweepOptions(out=tmp_path / "out", model=synth_models["qwen2moe"], text=synth_text_file,
+                        grid=SweepGrid(rules=("fetch-all", "threshold", "first-choice"), taus=(0.1, 0.3),
+                                       admits=("off",), fractions=(0.5,)), n_ctx=128, chunks=4, threads=2)
+    res = sweep(opts)
+    assert [r.point.rule for r in res.rows] == ["fetch-all", "threshold", "threshold", "first-choice"]
+    fa = res.rows[0]
+    assert fa.delta is not None and fa.delta.delta_pct == 0.0 and fa.substitution_rate == 0.0
+    # a higher threshold substitutes more, and first-choice the most
+    rates = [r.substitution_rate for r in res.rows]
+    assert all(x is not None for x in rates)
+    assert rates[1] <= rates[2] <= rates[3]  # type: ignore[operator]
+    assert res.mass.n_points == 4 and res.mass.correlation is not None
+    assert (tmp_path / "out" / "report.md").is_file()
