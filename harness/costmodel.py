@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
@@ -56,6 +57,29 @@ def load_profile(name: str) -> Profile:
     data = json.loads(res.read_text())
     keys = {f.name for f in fields(Profile)}
     return Profile(**{k: v for k, v in data.items() if k in keys})
+
+
+def load_profile_file(path: str | Path) -> Profile:
+    """A profile from a JSON file (such as `harness calibrate` writes), outside the packaged ones."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise HarnessError(f"cannot read the hardware profile {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise HarnessError(f"the hardware profile {path} is not JSON ({e})") from None
+    keys = {f.name for f in fields(Profile)}
+    missing = sorted(keys - set(data)) if isinstance(data, dict) else sorted(keys)
+    if missing:
+        raise HarnessError(f"the hardware profile {path} lacks {', '.join(missing)}")
+    return Profile(**{k: v for k, v in data.items() if k in keys})
+
+
+def profile_json(profile: Profile, sources: dict[str, str] | None = None) -> str:
+    """The profile as the JSON that `load_profile` / `load_profile_file` read."""
+    data: dict[str, object] = {f.name: getattr(profile, f.name) for f in fields(Profile)}
+    if sources:
+        data["sources"] = sources
+    return json.dumps(data, indent=2) + "\n"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,392 @@
+"""`harness simulate`: cache policies replayed on a router trace, with decode speed estimated by the cost model.
+
+A router trace (`trace=PATH` in the cache spec, recorded by the patched engine) is replayed by
+`llama-moe-sim` (patched build) under each policy x residency; the tool runs the engine's own cache code and
+writes the engine's statistics JSON. From the statistics (fetches and admissions per token) the cost model
+(harness.costmodel) estimates the decode time per token on a hardware profile, against fetch-every-miss at
+the same residency and against stock llama.cpp given the same device memory (the non-expert weights plus
+the cache's slots), whose experts that do not fit run on the CPU. **Every time and speed-up here is an
+ESTIMATE** from the profile's constants, not a measurement.
+
+The routing replayed is that of the recorded run: substitution changes the hidden states and so the later
+layers' routing, which a replay cannot see. Record with `policy=fetch-all` (or any policy that never
+substitutes) for the unperturbed model's routing, and `trace_top` = n_expert for substitutes chosen
+exactly as the engine chooses them.
+
+`harness calibrate`: fits a profile's constants to measured engine runs (JSON lines of
+`{"work": {TokenWork fields}, "ms": ms per token}`) and writes the fitted profile as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+from harness.compare import POLICIES
+from harness.costmodel import (
+    Profile,
+    TokenWork,
+    cache_work,
+    calibrate,
+    estimate,
+    load_profile,
+    load_profile_file,
+    profile_json,
+    stock_gpu_moe_layers,
+    stock_work,
+)
+from harness.errors import HarnessError
+from harness.gguf_model import ModelInfo
+from harness.parsers import ParseError
+from harness.parsers.cache_stats import CacheStats, parse_cache_stats
+from harness.project import Build
+from harness.runners import run_tool
+from harness.trace import read_trace_header
+
+SIM_TOOL = "llama-moe-sim"
+BASELINE = "fetch-all"
+DEFAULT_POLICIES = ("quality", "speed", "fetch-all")
+DEFAULT_RESIDENCIES = ("10%", "25%", "50%")
+ESTIMATE_NOTE = ("ms/token and speed-ups are ESTIMATES from the cost model (profile {profile}), not "
+                 "measurements; stock = stock llama.cpp with the same device memory (non-expert weights + "
+                 "the cache's slots), the MoE layers that do not fit computed on the CPU")
+ROUTING_NOTE = ("the routing is the recorded run's: substitution's effect on later layers' routing is not "
+                "replayed")
+
+_SUMMARY = re.compile(r"llama-moe-sim: replayed (\d+) token-layer decisions \((\d+) MoE layers\) x (\d+) "
+                      r"in ([0-9.eE+-]+) s: ([0-9.eE+-]+) million decisions/s \((\d+) threads\)")
+_RESIDENCY = re.compile(r"^(\d+(\.\d+)?%|\d+)$")
+
+
+# ---- running the simulator ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    decisions: int  # token-layer decisions per replay
+    n_moe_layers: int
+    repeat: int
+    seconds: float  # all replays together (wall time)
+    decisions_per_s: float
+    threads: int  # MoE layers are replayed in parallel
+
+
+def parse_sim_summary(stderr: str) -> ReplaySummary:
+    """The line llama-moe-sim prints on stderr after replaying."""
+    found = list(_SUMMARY.finditer(stderr))
+    if not found:
+        raise ParseError("no 'replayed ... decisions' line", stderr, source=SIM_TOOL)
+    m = found[-1]
+    return ReplaySummary(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5]) * 1e6, int(m[6]))
+
+
+@dataclass(frozen=True)
+class SimRun:
+    spec: str
+    stats: CacheStats
+    doc: dict[str, Any]  # the statistics JSON (schema moe-subst/expert-cache-stats)
+    summary: ReplaySummary | None
+
+
+class SimRunner(Protocol):
+    """What run_simulate needs; `ToolSimRunner` runs the real tool, tests pass a fake."""
+
+    def simulate(self, trace: Path, spec: str) -> SimRun: ...
+
+
+def sim_args(trace: Path, spec: str, *, stats: Path | None = None, repeat: int = 1, verify: bool = False,
+             threads: int | None = None) -> list[str]:
+    args = ["--trace", str(trace), "--spec", spec, "--quiet"]
+    if threads is not None:
+        args += ["--threads", str(threads)]
+    if stats is not None:
+        args += ["--stats", str(stats)]
+    if repeat != 1:
+        args += ["--repeat", str(repeat)]
+    if verify:
+        args.append("--verify")
+    return args
+
+
+def parse_sim_output(spec: str, stdout: str, stderr: str) -> SimRun:
+    stats = parse_cache_stats(stdout)
+    doc: dict[str, Any] = json.loads(stdout)
+    try:
+        summary: ReplaySummary | None = parse_sim_summary(stderr)
+    except ParseError:
+        summary = None
+    return SimRun(spec, stats, doc, summary)
+
+
+class ToolSimRunner:
+    """Runs llama-moe-sim of a (patched) build; the statistics come on its stdout."""
+
+    def __init__(self, build: Build, timeout_s: float = 3600) -> None:
+        self.build = build
+        self.timeout_s = timeout_s
+
+    def simulate(self, trace: Path, spec: str) -> SimRun:
+        out = run_tool(self.build.tool(SIM_TOOL), sim_args(trace, spec), timeout_s=self.timeout_s, sample_gpu=False)
+        try:
+            return parse_sim_output(spec, out.stdout, out.stderr)
+        except ParseError as e:
+            raise ParseError(e.what, out.text, source=SIM_TOOL) from None
+
+
+# ---- the grid ------------------------------------------------------------------------------------------------
+
+def check_residency(residency: str) -> str:
+    r = residency.strip()
+    if not _RESIDENCY.match(r):
+        raise HarnessError(f"bad residency {residency!r}: give slots per layer as a count (16) or a percentage "
+                           "of each layer's experts (25%)")
+    return r
+
+
+def sim_spec(policy: str, residency: str) -> str:
+    """The cache spec of a named policy (harness.compare.POLICIES) at a residency ("25%" or a slot count)."""
+    if policy not in POLICIES:
+        raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
+    items = [*POLICIES[policy], ("slots", check_residency(residency))]
+    return ",".join(f"{k}={v}" for k, v in items)
+
+
+def resolve_profile(name_or_path: str | Profile) -> Profile:
+    """A packaged profile by name (rtx3090, ...), or a profile JSON file (what `harness calibrate` writes)."""
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    if name_or_path.endswith(".json") or "/" in name_or_path:
+        return load_profile_file(name_or_path)
+    return load_profile(name_or_path)
+
+
+@dataclass(frozen=True)
+class SimRow:
+    """One policy at one residency. `est_*` are cost-model ESTIMATES (profile `profile`), not measurements."""
+
+    policy: str
+    residency: str  # as requested ("25%", or a slot count)
+    slots: int  # per MoE layer, as the cache resolved it
+    n_expert: int
+    tokens: int
+    hit_rate: float
+    fetches_per_token: float
+    substitution_rate: float
+    substituted_mass: float  # mean substituted gate mass per token-layer
+    admissions_per_token: float
+    profile: str
+    est_ms_per_token: float
+    est_fetch_all_ms: float  # fetch-every-miss at the same residency
+    est_stock_ms: float  # stock llama.cpp with the same device memory
+    stock_gpu_moe_layers: int
+    replay_decisions_per_s: float | None = None
+
+    @property
+    def est_speedup_vs_fetch_all(self) -> float:
+        return self.est_fetch_all_ms / self.est_ms_per_token
+
+    @property
+    def est_speedup_vs_stock(self) -> float:
+        return self.est_stock_ms / self.est_ms_per_token
+
+
+def _total(run: SimRun, key: str) -> float:
+    v = run.doc["total"].get(key)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise HarnessError(f"{SIM_TOOL} statistics: total.{key} is {v!r}")
+    return float(v)
+
+
+def cache_budget_bytes(info: ModelInfo, slots: int) -> int:
+    """Device memory of the patched engine at `slots` per MoE layer: non-expert weights plus the slots."""
+    return info.non_expert_bytes + slots * info.bytes_per_expert * info.n_moe_layers
+
+
+def check_trace_matches(trace: Path, info: ModelInfo) -> None:
+    h = read_trace_header(trace)
+    if h.n_expert != info.n_expert or h.k != info.n_expert_used:
+        raise HarnessError(f"the trace {trace} is of a model with {h.n_expert} experts, {h.k} per token; "
+                           f"{info.path} has {info.n_expert}, {info.n_expert_used} per token: pass the model "
+                           "the trace was recorded with")
+    if h.n_records == 0:
+        raise HarnessError(f"the trace {trace} holds no records (no token was decided)")
+
+
+def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], residencies: Sequence[str],
+                 profile: str | Profile, runner: SimRunner) -> list[SimRow]:
+    """Replay `trace` for every policy x residency and estimate each one's decode speed (an ESTIMATE).
+    fetch-all is always replayed: it is the baseline of the speed-ups (and gets a row)."""
+    prof = resolve_profile(profile)
+    info = model_info
+    if not policies:
+        raise HarnessError("no policies to simulate")
+    if not residencies:
+        raise HarnessError("no residencies to simulate")
+    for p in policies:
+        sim_spec(p, "1")  # names are checked before anything runs
+    res = [check_residency(r) for r in residencies]
+    check_trace_matches(trace, info)
+    order = list(dict.fromkeys(policies))
+    if BASELINE not in order:
+        order.append(BASELINE)
+
+    rows: list[SimRow] = []
+    for r in res:
+        runs = {p: runner.simulate(trace, sim_spec(p, r)) for p in order}
+        n_moe = len(runs[BASELINE].doc.get("layers", []))
+        if n_moe != info.n_moe_layers:
+            raise HarnessError(f"the trace {trace} has records for {n_moe} MoE layers, {info.path} has "
+                               f"{info.n_moe_layers}: pass the model the trace was recorded with")
+
+        def ms(run: SimRun) -> float:
+            tokens = _total(run, "tokens")
+            adm = _total(run, "admissions") / tokens if tokens else 0.0
+            return estimate(prof, cache_work(info, _total(run, "fetches_per_token"),
+                                             admissions_per_token=adm)).ms_per_token
+
+        fetch_all_ms = ms(runs[BASELINE])
+        for p in order:
+            run = runs[p]
+            slots = int(run.doc["config"]["slots"])
+            gpu_layers = stock_gpu_moe_layers(info, cache_budget_bytes(info, slots))
+            stock_ms = estimate(prof, stock_work(info, gpu_layers)).ms_per_token
+            tokens = _total(run, "tokens")
+            rows.append(SimRow(
+                policy=p, residency=r, slots=slots, n_expert=int(run.doc["config"]["n_expert"]),
+                tokens=int(tokens), hit_rate=_total(run, "hit_rate"),
+                fetches_per_token=_total(run, "fetches_per_token"),
+                substitution_rate=_total(run, "substitution_rate"),
+                substituted_mass=_total(run, "substituted_mass"),
+                admissions_per_token=_total(run, "admissions") / tokens if tokens else 0.0,
+                profile=prof.name, est_ms_per_token=ms(run), est_fetch_all_ms=fetch_all_ms,
+                est_stock_ms=stock_ms, stock_gpu_moe_layers=gpu_layers,
+                replay_decisions_per_s=run.summary.decisions_per_s if run.summary else None))
+    return rows
+
+
+@dataclass(frozen=True)
+class SimulateOptions:
+    trace: Path
+    model: Path
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    residencies: tuple[str, ...] = DEFAULT_RESIDENCIES
+    profile: str = "rtx3090"
+
+
+def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> list[SimRow]:
+    """The `harness simulate` entry point: model info, the patched build's llama-moe-sim, run_simulate."""
+    from harness.gguf_model import read_model_info
+    from harness.project import get_build
+
+    if not opts.trace.is_file():
+        raise HarnessError(f"no trace at {opts.trace}: record one with LLAMA_MOE_CACHE=...,trace=FILE")
+    info = read_model_info(opts.model)
+    if runner is None:
+        runner = ToolSimRunner(get_build("patched"))
+    return run_simulate(opts.trace, info, opts.policies, opts.residencies, opts.profile, runner)
+
+
+# ---- rendering -------------------------------------------------------------------------------------------------
+
+SIM_COLUMNS = ("policy", "resid.", "slots", "hit rate", "fetch/tok", "subst rate", "mass", "admit/tok",
+               "ms/tok (EST)", "x fetch-all (EST)", "x stock (EST)")
+
+
+def _cells(r: SimRow) -> list[str]:
+    return [r.policy, r.residency, f"{r.slots}/{r.n_expert}", f"{100 * r.hit_rate:.1f}%",
+            f"{r.fetches_per_token:.2f}", f"{100 * r.substitution_rate:.2f}%", f"{r.substituted_mass:.4f}",
+            f"{r.admissions_per_token:.3f}", f"{r.est_ms_per_token:.3f}", f"{r.est_speedup_vs_fetch_all:.2f}x",
+            f"{r.est_speedup_vs_stock:.2f}x"]
+
+
+def _notes(rows: Sequence[SimRow]) -> list[str]:
+    if not rows:
+        return []
+    profile = rows[0].profile
+    stock = sorted({(r.residency, r.slots, r.stock_gpu_moe_layers, r.est_stock_ms) for r in rows})
+    out = [ESTIMATE_NOTE.format(profile=profile)]
+    out += [f"stock at {res} ({slots} slots' memory): {g} MoE layers' experts on the device, {ms:.3f} ms/token "
+            "(EST)" for res, slots, g, ms in stock]
+    out.append(ROUTING_NOTE)
+    return out
+
+
+def render_simulate(rows: Sequence[SimRow], *, markdown: bool = False) -> str:
+    """A table of the rows and the notes that say what is estimated; plain text or Markdown."""
+    if not rows:
+        return "no rows\n"
+    body = [_cells(r) for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(SIM_COLUMNS) + " |", "|" + "---|" * len(SIM_COLUMNS)]
+        lines += ["| " + " | ".join(c) + " |" for c in body]
+        lines.append("")
+        lines += [f"- {n}" for n in _notes(rows)]
+        return "\n".join(lines) + "\n"
+    widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(SIM_COLUMNS)]
+
+    def line(cells: Sequence[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+    lines = [line(SIM_COLUMNS), line(["-" * w for w in widths]), *(line(c) for c in body), ""]
+    lines += [f"note: {n}" for n in _notes(rows)]
+    return "\n".join(lines) + "\n"
+
+
+# ---- calibration -----------------------------------------------------------------------------------------------
+
+_WORK_FIELDS = {f.name for f in fields(TokenWork)}
+
+
+def parse_calibration_runs(text: str, source: str = "runs") -> list[tuple[TokenWork, float]]:
+    """JSON lines `{"work": {TokenWork fields}, "ms": ms per token}` (other keys are ignored)."""
+    runs: list[tuple[TokenWork, float]] = []
+    for n, ln in enumerate(text.splitlines(), 1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            work = rec["work"]
+            ms = rec["ms"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HarnessError(f"{source}:{n}: not a {{\"work\": {{...}}, \"ms\": ...}} record ({e})") from None
+        if not isinstance(work, dict) or not set(work) <= _WORK_FIELDS or "n_layers" not in work \
+                or "resident_bytes" not in work:
+            raise HarnessError(f"{source}:{n}: work needs n_layers and resident_bytes, and only "
+                               f"{', '.join(sorted(_WORK_FIELDS))}")
+        vals = [ms, *work.values()]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                   for v in vals) or ms <= 0:
+            raise HarnessError(f"{source}:{n}: values must be finite non-negative numbers and ms > 0")
+        runs.append((TokenWork(**work), float(ms)))
+    return runs
+
+
+def run_calibrate(runs_path: Path, base: str | Profile, out: Path, name: str | None = None) -> Profile:
+    """Fit `base`'s constants to the measured runs (costmodel.calibrate, NNLS) and write the fitted profile to
+    `out` as JSON (usable as `--profile out.json`, or as a packaged profile under harness/profiles/)."""
+    try:
+        text = runs_path.read_text()
+    except OSError as e:
+        raise HarnessError(f"cannot read the measured runs {runs_path}: {e.strerror or e}") from None
+    runs = parse_calibration_runs(text, str(runs_path))
+    prof = resolve_profile(base)
+    fit = calibrate(prof, runs, name=name)
+    sources = {"calibrated": f"NNLS fit of {prof.name}'s constants to {len(runs)} measured runs in {runs_path}; "
+                             "constants the runs do not identify keep the base value"}
+    try:
+        out.write_text(profile_json(fit, sources))
+    except OSError as e:
+        raise HarnessError(f"cannot write the profile {out}: {e.strerror or e}") from None
+    return fit
+
+
+def render_profile(p: Profile) -> str:
+    return "\n".join([f"profile {p.name}: {p.description}",
+                      f"  vram_bw {p.vram_bw_gbs:.1f} GB/s, h2d_bw {p.h2d_bw_gbs:.2f} GB/s, "
+                      f"fetch latency {p.fetch_latency_us:.2f} us, layer round trip {p.layer_roundtrip_us:.2f} us, "
+                      f"layer fixed {p.layer_fixed_us:.2f} us, cpu_bw {p.cpu_bw_gbs:.1f} GB/s"]) + "\n"

@@ -1,0 +1,353 @@
+"""harness.simulate and llama-moe-sim.
+
+- Pure: policy specs, the replay summary parser, the cost model applied to simulated statistics on a
+  hand-computed case (with a fake runner), the table, calibration from synthetic measurements.
+- Build: the simulator's statistics JSON equals the engine's (emulate mode in llama-perplexity) for the same
+  trace, spec and residency, exactly, for several presets and custom rules (admission, LRU, drop), several
+  archs, and an initial-residency profile; --verify; the tool's errors; run_simulate end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.costmodel import Profile, TokenWork, estimate, load_profile_file, profile_json
+from harness.errors import HarnessError
+from harness.gguf_model import ModelInfo, read_model_info
+from harness.parsers import ParseError
+from harness.project import Build, BuildMissingError
+from harness.simulate import (
+    SIM_TOOL,
+    SimRun,
+    ToolSimRunner,
+    check_residency,
+    parse_calibration_runs,
+    parse_sim_output,
+    parse_sim_summary,
+    render_simulate,
+    run_calibrate,
+    run_simulate,
+    sim_spec,
+)
+from harness.synth import SynthSpec, synth_text, write_synth_model
+from harness.trace import synthetic_trace, write_expert_trace
+
+P = Profile(name="hand", description="test", vram_bytes=24 * 2**30, vram_bw_gbs=1000.0, h2d_bw_gbs=20.0,
+            fetch_latency_us=10.0, layer_roundtrip_us=50.0, layer_fixed_us=20.0, cpu_bw_gbs=40.0)
+
+# 4 MoE layers of 8 experts (2 per token) of 1 MB each, 1 GB of other weights
+INFO = ModelInfo(path="hand.gguf", arch="qwen3moe", name="hand", n_layers=4, moe_layers=(0, 1, 2, 3), n_expert=8,
+                 n_expert_used=2, n_expert_shared=0, gating="softmax", weights_norm=True, merged_gate_up=False,
+                 expert_tensors=(), expert_bytes=32_000_000, non_expert_bytes=1_000_000_000,
+                 file_bytes=1_032_000_000, file_type="f32")
+
+SUMMARY = ("llama-moe-sim: replayed 98304 token-layer decisions (48 MoE layers) x 5 in 0.412000 s: "
+           "1.193 million decisions/s (2 threads)\n")
+
+
+def test_specs_and_residencies() -> None:
+    assert sim_spec("quality", "25%") == "policy=quality,slots=25%"
+    assert sim_spec("rule-0.15", "16") == "rule=threshold,tau=0.15,evict=lfu,admit=off,slots=16"
+    assert check_residency(" 12.5% ") == "12.5%"
+    for bad in ("25 %", "abc", "-3", "0.25"):
+        with pytest.raises(HarnessError, match="bad residency"):
+            check_residency(bad)
+    with pytest.raises(HarnessError, match="unknown policy"):
+        sim_spec("fastest", "25%")
+
+
+def test_parse_summary() -> None:
+    s = parse_sim_summary("llama_expert_cache: ...\n" + SUMMARY)
+    assert (s.decisions, s.n_moe_layers, s.repeat, s.threads) == (98304, 48, 5, 2)
+    assert s.seconds == pytest.approx(0.412) and s.decisions_per_s == pytest.approx(1.193e6)
+    with pytest.raises(ParseError):
+        parse_sim_summary("llama-moe-sim: error: no trace\n")
+
+
+def stats_doc(policy: str, slots: int, fetches_per_token: float, admissions: int, tokens: int = 100,
+              hit_rate: float = 0.8) -> dict[str, Any]:
+    total = {"calls": tokens * 4 * 2, "hits": 0, "misses": 0, "fetches": int(fetches_per_token * tokens),
+             "substitutions": 10, "drops": 0, "admissions": admissions, "evictions": 0, "subst_first_choice": 0,
+             "forced_substitutions": 0, "token_layers": tokens * 4, "token_layers_with_subst": 5,
+             "max_subst_weight": 0.1, "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 0.005,
+             "fetches_per_token": fetches_per_token, "drop_mass_sum": 0.0, "hit_rate": hit_rate,
+             "miss_rate": 1 - hit_rate, "substitution_rate": 0.0125, "mass_hist": [tokens * 4] + [0] * 19}
+    return {"schema": "moe-subst/expert-cache-stats", "schema_version": 1,
+            "config": {"spec": "", "mode": "emulate", "policy": policy, "slots": slots, "n_expert": 8,
+                       "n_expert_used": 2},
+            "total": total, "layers": [{"layer": i, **total} for i in range(4)]}
+
+
+class FakeSimRunner:
+    def __init__(self, docs: dict[str, dict[str, Any]]) -> None:
+        self.docs = docs
+        self.specs: list[str] = []
+
+    def simulate(self, trace: Path, spec: str) -> SimRun:
+        self.specs.append(spec)
+        return parse_sim_output(spec, json.dumps(self.docs[spec]), SUMMARY)
+
+
+@pytest.fixture()
+def hand_trace(tmp_path: Path) -> Path:
+    return write_expert_trace(tmp_path / "t.bin", synthetic_trace(n_layer=4, n_expert=8, k=2, n_tokens=5, top_m=8))
+
+
+def test_cost_model_on_simulated_statistics_hand_computed(hand_trace: Path) -> None:
+    runner = FakeSimRunner({
+        "policy=quality,slots=25%": stats_doc("quality", 2, 0.5, admissions=25),
+        "policy=fetch-all,slots=25%": stats_doc("fetch-all", 2, 2.0, admissions=0),
+    })
+    rows = run_simulate(hand_trace, INFO, ["quality"], ["25%"], P, runner)
+    assert runner.specs == ["policy=quality,slots=25%", "policy=fetch-all,slots=25%"]  # the baseline is added
+    q, fa = rows
+    assert (q.policy, fa.policy, q.slots, q.residency) == ("quality", "fetch-all", 2, "25%")
+    # fetch-all: resident 1 GB + 2 experts x 4 layers x 1 MB = 1.008 ms, + 4 layers x 20 us = 1.088 ms;
+    # fetches 2 x 1 MB at 20 GB/s = 0.1 ms + 2 x 10 us; round trips 4 x 50 us = 0.2 ms.  1.408 ms
+    assert fa.est_ms_per_token == pytest.approx(1.408)
+    # quality: 0.5 fetches = 0.025 + 0.005 ms; 0.25 admissions/token (0.0125 ms of copies) hide behind compute
+    assert q.admissions_per_token == pytest.approx(0.25)
+    assert q.est_ms_per_token == pytest.approx(1.318)
+    # stock in the same memory (1 GB + 2 slots x 4 layers x 1 MB): 1 MoE layer's 8 experts fit; 1.002 ms +
+    # 0.08 ms; 3 CPU layers: 3 round trips (0.15 ms) + 3 x 2 experts x 1 MB at 40 GB/s (0.15 ms).  1.382 ms
+    assert q.stock_gpu_moe_layers == 1
+    assert q.est_stock_ms == pytest.approx(1.382)
+    assert q.est_speedup_vs_fetch_all == pytest.approx(1.408 / 1.318)
+    assert q.est_speedup_vs_stock == pytest.approx(1.382 / 1.318)
+    assert fa.est_speedup_vs_fetch_all == pytest.approx(1.0)
+    assert q.replay_decisions_per_s == pytest.approx(1.193e6)
+    assert (q.hit_rate, q.fetches_per_token, q.substitution_rate) == (0.8, 0.5, 0.0125)
+
+    text = render_simulate(rows)
+    assert "ESTIMATES from the cost model (profile hand)" in text
+    assert "ms/tok (EST)" in text and "1.318" in text and f"{1.408 / 1.318:.2f}x" in text
+    md = render_simulate(rows, markdown=True)
+    assert md.startswith("| policy |") and "- ms/token and speed-ups are ESTIMATES" in md
+
+
+def test_run_simulate_checks_the_model(hand_trace: Path) -> None:
+    runner = FakeSimRunner({})
+    other = dataclasses.replace(INFO, n_expert=16)
+    with pytest.raises(HarnessError, match="8 experts, 2 per token; hand.gguf has 16, 2 per token"):
+        run_simulate(hand_trace, other, ["quality"], ["25%"], P, runner)
+    three = dataclasses.replace(INFO, moe_layers=(0, 1, 2))
+    runner = FakeSimRunner({"policy=fetch-all,slots=25%": stats_doc("fetch-all", 2, 2.0, admissions=0)})
+    with pytest.raises(HarnessError, match="records for 4 MoE layers"):
+        run_simulate(hand_trace, three, ["fetch-all"], ["25%"], P, runner)
+    runner = FakeSimRunner({})
+    with pytest.raises(HarnessError, match="unknown policy"):
+        run_simulate(hand_trace, INFO, ["quality", "nope"], ["25%"], P, runner)
+    with pytest.raises(HarnessError, match="bad residency"):
+        run_simulate(hand_trace, INFO, ["quality"], ["25%", "x"], P, runner)
+    assert runner.specs == []  # checked before anything runs
+
+
+def test_calibration_from_measured_runs(tmp_path: Path) -> None:
+    truth = dataclasses.replace(P, vram_bw_gbs=800.0, h2d_bw_gbs=22.0, fetch_latency_us=7.0,
+                                layer_roundtrip_us=35.0, layer_fixed_us=12.0, cpu_bw_gbs=30.0)
+    works = [TokenWork(n_layers=24, resident_bytes=1e9 + (24 - c) * 1e7, sync_layers=c, cpu_expert_bytes=c * 1e7)
+             for c in (0, 4, 8, 16)]
+    works += [TokenWork(n_layers=24, resident_bytes=1.24e9, fetch_bytes=f * 1e6, fetch_ops=o, sync_layers=24)
+              for f, o in ((0, 0), (5, 5), (20, 12), (40, 30))]
+    works += [TokenWork(n_layers=n, resident_bytes=0.5e9 * n / 12, sync_layers=n) for n in (12, 36)]
+    lines = [json.dumps({"work": dataclasses.asdict(w), "ms": estimate(truth, w).ms_per_token, "label": f"r{i}"})
+             for i, w in enumerate(works)]
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("\n".join(lines) + "\n\n")
+    out = tmp_path / "fit.json"
+    fit = run_calibrate(runs, P, out, name="fitted")
+    for f in ("vram_bw_gbs", "h2d_bw_gbs", "fetch_latency_us", "layer_roundtrip_us", "layer_fixed_us", "cpu_bw_gbs"):
+        assert getattr(fit, f) == pytest.approx(getattr(truth, f), rel=1e-3), f
+    assert fit.name == "fitted"
+    assert load_profile_file(out) == fit
+    assert "calibrated" in json.loads(out.read_text())["sources"]
+    (tmp_path / "p.json").write_text(profile_json(P))
+    assert load_profile_file(tmp_path / "p.json") == P
+
+
+def test_calibration_input_errors(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="runs:1: not a"):
+        parse_calibration_runs("not json")
+    with pytest.raises(HarnessError, match="work needs n_layers"):
+        parse_calibration_runs('{"work": {"n_layers": 2}, "ms": 1}')
+    with pytest.raises(HarnessError, match="work needs"):
+        parse_calibration_runs('{"work": {"n_layers": 2, "resident_bytes": 1, "colour": 3}, "ms": 1}')
+    with pytest.raises(HarnessError, match="ms > 0"):
+        parse_calibration_runs('{"work": {"n_layers": 2, "resident_bytes": 1}, "ms": 0}')
+    with pytest.raises(HarnessError, match="cannot read"):
+        run_calibrate(tmp_path / "missing.jsonl", P, tmp_path / "o.json")
+    with pytest.raises(HarnessError, match="lacks"):
+        (tmp_path / "half.json").write_text('{"name": "x"}')
+        load_profile_file(tmp_path / "half.json")
+
+
+# ---- the built tool ---------------------------------------------------------------------------------------------
+
+N_EXPERT, K, N_LAYER, N_CTX, CHUNKS = 64, 8, 3, 128, 6
+
+
+@pytest.fixture(scope="module")
+def sim_tool(patched_build: Build) -> Path:
+    try:
+        return patched_build.tool(SIM_TOOL)
+    except BuildMissingError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def sim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synth_model(SynthSpec(arch="qwen3moe", n_expert=N_EXPERT, n_expert_used=K, n_layer=N_LAYER, seed=4),
+                             tmp_path_factory.mktemp("sim-model") / "m.gguf")
+
+
+@pytest.fixture(scope="module")
+def sim_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sim-text") / "text.txt"
+    path.write_text(synth_text(20000, seed=3))
+    return path
+
+
+def engine_run(build: Build, model: Path, text: Path, spec: str, out: Path, *, trace_top: int | None = N_EXPERT,
+               profile_out: bool = True) -> tuple[dict[str, Any], Path, Path]:
+    """llama-perplexity in emulate mode, one sequence per batch; returns (stats, trace, profile_out)."""
+    out.mkdir(parents=True, exist_ok=True)
+    trace, stats, prof = out / "trace.bin", out / "engine.json", out / "engine.profile"
+    full = f"mode=emulate,{spec},trace={trace},stats={stats}"
+    if trace_top is not None:
+        full += f",trace_top={trace_top}"
+    if profile_out:
+        full += f",profile_out={prof}"
+    env = {**os.environ, "LLAMA_MOE_CACHE": full}
+    res = subprocess.run([str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(N_CTX),
+                          "-b", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(stats.read_text()), trace, prof
+
+
+def sim_run(tool: Path, trace: Path, spec: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(tool), "--trace", str(trace), "--spec", spec, "--stats", str(out), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def comparable(doc: dict[str, Any]) -> dict[str, Any]:
+    """Everything but the spec string (which names the trace and stats files) and the host timings."""
+    d = json.loads(json.dumps(doc))
+    d["config"].pop("spec")
+    d.pop("route_ns")
+    d.pop("route_ns_per_token_layer")
+    return d
+
+
+SPECS = [
+    "policy=quality,slots=25%",
+    "policy=speed,slots=25%",
+    "policy=fetch-all,slots=25%",
+    "policy=quality,slots=12",
+    "policy=speed,slots=50%",
+    "rule=threshold,tau=0.3,evict=lru,admit=0.25,slots=20",
+    "rule=substitute-all,evict=lfu,admit=on,halve=64,slots=16",
+    "rule=drop,slots=25%",
+    "policy=fetch-all,evict=lfu,halve=32,slots=9",
+]
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("spec", SPECS)
+def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model: Path, sim_text: Path,
+                                 tmp_path: Path, spec: str) -> None:
+    engine, trace, engine_prof = engine_run(patched_build, sim_model, sim_text, spec, tmp_path)
+    assert engine["total"]["token_layers"] > 0
+    sim_prof = tmp_path / "sim.profile"
+    res = sim_run(sim_tool, trace, f"{spec},profile_out={sim_prof}", tmp_path / "sim.json", "--verify")
+    assert res.returncode == 0, res.stderr
+    assert "0 of" in res.stderr and "differ in their actions, 0 more" in res.stderr
+    sim = json.loads((tmp_path / "sim.json").read_text())
+    assert comparable(sim) == comparable(engine)
+    assert sim_prof.read_text() == engine_prof.read_text()
+    if engine["config"]["admit"]:
+        assert engine["total"]["admissions"] > 0  # admission is exercised, not only configured
+
+
+@pytest.mark.build
+def test_simulator_equals_engine_with_an_initial_profile(patched_build: Build, sim_tool: Path, sim_model: Path,
+                                                         sim_text: Path, tmp_path: Path) -> None:
+    _, _, prof = engine_run(patched_build, sim_model, sim_text, "policy=fetch-all,slots=25%", tmp_path / "a")
+    spec = f"policy=quality,slots=25%,profile={prof}"
+    engine, trace, _ = engine_run(patched_build, sim_model, sim_text, spec, tmp_path / "b", profile_out=False)
+    res = sim_run(sim_tool, trace, spec, tmp_path / "sim.json", "--verify")
+    assert res.returncode == 0, res.stderr
+    assert comparable(json.loads((tmp_path / "sim.json").read_text())) == comparable(engine)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", ["qwen2moe", "hy_v3"])
+def test_simulator_equals_engine_other_archs(patched_build: Build, sim_tool: Path, synth_models: dict[str, Path],
+                                             sim_text: Path, tmp_path: Path, arch: str) -> None:
+    spec = "policy=quality,slots=50%"
+    engine, trace, _ = engine_run(patched_build, synth_models[arch], sim_text, spec, tmp_path, trace_top=None)
+    n_expert = engine["config"]["n_expert"]
+    assert n_expert <= 16  # the default trace_top keeps every score: exact
+    res = sim_run(sim_tool, trace, spec, tmp_path / "sim.json", "--verify")
+    assert res.returncode == 0, res.stderr
+    assert comparable(json.loads((tmp_path / "sim.json").read_text())) == comparable(engine)
+
+
+@pytest.mark.build
+def test_replay_under_other_specs_and_errors(patched_build: Build, sim_tool: Path, sim_model: Path, sim_text: Path,
+                                             tmp_path: Path) -> None:
+    _, trace, _ = engine_run(patched_build, sim_model, sim_text, "policy=fetch-all,slots=25%", tmp_path)
+    # another policy on the same trace: decisions differ from the recorded ones (--verify exits 3)
+    res = sim_run(sim_tool, trace, "policy=speed,slots=25%", tmp_path / "s.json", "--verify")
+    assert res.returncode == 3, res.stderr
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["total"]["substitutions"] > 0 and doc["config"]["policy"] == "speed"
+    assert doc["route_ns"] > 0
+    # statistics on stdout by default, and the summary line on stderr
+    res = subprocess.run([str(sim_tool), "-t", str(trace), "-s", "policy=quality,slots=16", "-q", "-j", "1",
+                          "--repeat", "3"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["config"]["slots"] == 16
+    s = parse_sim_summary(res.stderr)
+    assert (s.repeat, s.threads, s.n_moe_layers) == (3, 1, N_LAYER)
+    # errors: a bad spec, too few slots, not a trace, a truncated trace, a spec that turns the cache off
+    for spec, msg in (("policy=quality,colour=red", "unknown key 'colour'"),
+                      ("policy=quality,slots=4", "fewer than the 8 experts used per token"),
+                      ("mode=off", "turns the cache off")):
+        res = sim_run(sim_tool, trace, spec, tmp_path / "e.json")
+        assert res.returncode == 2 and msg in res.stderr, res.stderr
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"hello, world" * 10)
+    res = sim_run(sim_tool, bad, "policy=quality", tmp_path / "e.json")
+    assert res.returncode == 1 and "not a router trace" in res.stderr
+    bad.write_bytes(trace.read_bytes()[:-7])
+    res = sim_run(sim_tool, bad, "policy=quality", tmp_path / "e.json")
+    assert res.returncode == 1 and "truncated trace" in res.stderr
+    res = subprocess.run([str(sim_tool), "-t", str(trace), "--info"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and f"n_expert {N_EXPERT}, k {K}, top_m {N_EXPERT}" in res.stdout
+
+
+@pytest.mark.build
+def test_run_simulate_end_to_end(patched_build: Build, sim_tool: Path, sim_model: Path, sim_text: Path,
+                                 tmp_path: Path) -> None:
+    engine, trace, _ = engine_run(patched_build, sim_model, sim_text, "policy=fetch-all,slots=25%", tmp_path)
+    info = read_model_info(sim_model)
+    rows = run_simulate(trace, info, ["quality", "speed"], ["25%", "50%"], "rtx3090", ToolSimRunner(patched_build))
+    assert [(r.policy, r.residency) for r in rows] == [
+        ("quality", "25%"), ("speed", "25%"), ("fetch-all", "25%"),
+        ("quality", "50%"), ("speed", "50%"), ("fetch-all", "50%")]
+    fa = rows[2]
+    assert fa.fetches_per_token == pytest.approx(engine["total"]["fetches_per_token"], rel=1e-15)
+    assert fa.est_speedup_vs_fetch_all == pytest.approx(1.0)
+    for r in rows:
+        assert r.profile == "rtx3090" and r.est_ms_per_token > 0 and r.replay_decisions_per_s
+        if r.policy != "fetch-all":
+            assert r.fetches_per_token < rows[2 if r.residency == "25%" else 5].fetches_per_token
+    assert "ESTIMATES" in render_simulate(rows)
