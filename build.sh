@@ -143,6 +143,7 @@ phase trees
 
 # ---- 4. configure + build -----------------------------------------------------------------------
 targets=(llama llama-cli llama-server llama-perplexity llama-bench)
+patched_targets=(llama-moe-sim)  # tools that only the patched tree has (patches/)
 cmake_common=(
     -G Ninja
     -DCMAKE_BUILD_TYPE=Release
@@ -205,8 +206,10 @@ build_tree() {  # name tree
             || { tail -n 30 "$dir.configure.log" >&2; die "cmake could not configure the $name tree (log: $dir.configure.log)"; }
         echo "$want" >"$args_stamp"
     fi
-    echo "build.sh: building $name ($backend): ${targets[*]}"
-    cmake --build "$dir" --parallel "$jobs" --target "${targets[@]}" >"$dir.build.log" 2>&1 \
+    local tgts=("${targets[@]}")
+    [ "$name" = patched ] && tgts+=("${patched_targets[@]}")
+    echo "build.sh: building $name ($backend): ${tgts[*]}"
+    cmake --build "$dir" --parallel "$jobs" --target "${tgts[@]}" >"$dir.build.log" 2>&1 \
         || { grep -E 'error|Error' "$dir.build.log" | head -n 20 >&2; tail -n 20 "$dir.build.log" >&2; die "the $name build failed (log: $dir.build.log)"; }
     phase "build $name"
 }

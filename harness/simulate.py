@@ -59,7 +59,7 @@ ROUTING_NOTE = ("the routing is the recorded run's: substitution's effect on lat
                 "replayed")
 
 _SUMMARY = re.compile(r"llama-moe-sim: replayed (\d+) token-layer decisions \((\d+) MoE layers\) x (\d+) "
-                      r"in ([0-9.eE+-]+) s: ([0-9.eE+-]+) million decisions/s \((\d+) threads\)")
+                      r"in ([0-9.eE+-]+) s: ([0-9.eE+-]+) million decisions/s \((\d+) threads, ([0-9.eE+-]+) s CPU\)")
 _RESIDENCY = re.compile(r"^(\d+(\.\d+)?%|\d+)$")
 
 
@@ -73,6 +73,12 @@ class ReplaySummary:
     seconds: float  # all replays together (wall time)
     decisions_per_s: float
     threads: int  # MoE layers are replayed in parallel
+    cpu_seconds: float  # process CPU time of the replays (all threads)
+
+    @property
+    def decisions_per_cpu_s(self) -> float:
+        """Decisions per second of CPU time: less sensitive than the wall-time rate to a busy machine."""
+        return self.decisions * self.repeat / self.cpu_seconds if self.cpu_seconds > 0 else float("inf")
 
 
 def parse_sim_summary(stderr: str) -> ReplaySummary:
@@ -81,7 +87,7 @@ def parse_sim_summary(stderr: str) -> ReplaySummary:
     if not found:
         raise ParseError("no 'replayed ... decisions' line", stderr, source=SIM_TOOL)
     m = found[-1]
-    return ReplaySummary(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5]) * 1e6, int(m[6]))
+    return ReplaySummary(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5]) * 1e6, int(m[6]), float(m[7]))
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ INFO = ModelInfo(path="hand.gguf", arch="qwen3moe", name="hand", n_layers=4, moe
                  file_bytes=1_032_000_000, file_type="f32")
 
 SUMMARY = ("llama-moe-sim: replayed 98304 token-layer decisions (48 MoE layers) x 5 in 0.412000 s: "
-           "1.193 million decisions/s (2 threads)\n")
+           "1.193 million decisions/s (2 threads, 0.800000 s CPU)\n")
 
 
 def test_specs_and_residencies() -> None:
@@ -67,6 +67,7 @@ def test_parse_summary() -> None:
     s = parse_sim_summary("llama_expert_cache: ...\n" + SUMMARY)
     assert (s.decisions, s.n_moe_layers, s.repeat, s.threads) == (98304, 48, 5, 2)
     assert s.seconds == pytest.approx(0.412) and s.decisions_per_s == pytest.approx(1.193e6)
+    assert s.cpu_seconds == pytest.approx(0.8) and s.decisions_per_cpu_s == pytest.approx(98304 * 5 / 0.8)
     with pytest.raises(ParseError):
         parse_sim_summary("llama-moe-sim: error: no trace\n")
 
