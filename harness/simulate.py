@@ -178,9 +178,9 @@ class SimRow:
     residency: str  # as requested ("25%", or a slot count)
     slots: int  # per MoE layer, as the cache resolved it
     n_expert: int
-    tokens: int
+    tokens: int  # token-layers / MoE layers
     hit_rate: float
-    fetches_per_token: float
+    fetches_per_token: float  # summed over MoE layers of each layer's fetches per token it decided (per_token)
     substitution_rate: float
     substituted_mass: float  # mean substituted gate mass per token-layer
     admissions_per_token: float
@@ -205,6 +205,20 @@ def _total(run: SimRun, key: str) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
         raise HarnessError(f"{SIM_TOOL} statistics: total.{key} is {v!r}")
     return float(v)
+
+
+def per_token(run: SimRun, key: str) -> float:
+    """A counter per decoded token: the sum over MoE layers of the layer's count per token it decided. In a
+    decode every layer decides every token and this is total[key] / total.tokens; in a llama-perplexity
+    trace the last layer decides only the scored (output) tokens, and the per-layer rates are the ones a
+    decoder would see."""
+    out = 0.0
+    for layer in run.doc["layers"]:
+        n, v = layer.get("token_layers"), layer.get(key)
+        if not isinstance(n, int) or not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise HarnessError(f"{SIM_TOOL} statistics: layer {layer.get('layer')} lacks {key} or token_layers")
+        out += v / n if n else 0.0
+    return out
 
 
 def cache_budget_bytes(info: ModelInfo, slots: int) -> int:
@@ -249,10 +263,8 @@ def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], re
                                f"{info.n_moe_layers}: pass the model the trace was recorded with")
 
         def ms(run: SimRun) -> float:
-            tokens = _total(run, "tokens")
-            adm = _total(run, "admissions") / tokens if tokens else 0.0
-            return estimate(prof, cache_work(info, _total(run, "fetches_per_token"),
-                                             admissions_per_token=adm)).ms_per_token
+            return estimate(prof, cache_work(info, per_token(run, "fetches"),
+                                             admissions_per_token=per_token(run, "admissions"))).ms_per_token
 
         fetch_all_ms = ms(runs[BASELINE])
         for p in order:
@@ -260,14 +272,13 @@ def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], re
             slots = int(run.doc["config"]["slots"])
             gpu_layers = stock_gpu_moe_layers(info, cache_budget_bytes(info, slots))
             stock_ms = estimate(prof, stock_work(info, gpu_layers)).ms_per_token
-            tokens = _total(run, "tokens")
             rows.append(SimRow(
                 policy=p, residency=r, slots=slots, n_expert=int(run.doc["config"]["n_expert"]),
-                tokens=int(tokens), hit_rate=_total(run, "hit_rate"),
-                fetches_per_token=_total(run, "fetches_per_token"),
+                tokens=int(_total(run, "tokens")), hit_rate=_total(run, "hit_rate"),
+                fetches_per_token=per_token(run, "fetches"),
                 substitution_rate=_total(run, "substitution_rate"),
                 substituted_mass=_total(run, "substituted_mass"),
-                admissions_per_token=_total(run, "admissions") / tokens if tokens else 0.0,
+                admissions_per_token=per_token(run, "admissions"),
                 profile=prof.name, est_ms_per_token=ms(run), est_fetch_all_ms=fetch_all_ms,
                 est_stock_ms=stock_ms, stock_gpu_moe_layers=gpu_layers,
                 replay_decisions_per_s=run.summary.decisions_per_s if run.summary else None))

@@ -72,18 +72,25 @@ def test_parse_summary() -> None:
         parse_sim_summary("llama-moe-sim: error: no trace\n")
 
 
-def stats_doc(policy: str, slots: int, fetches_per_token: float, admissions: int, tokens: int = 100,
-              hit_rate: float = 0.8) -> dict[str, Any]:
-    total = {"calls": tokens * 4 * 2, "hits": 0, "misses": 0, "fetches": int(fetches_per_token * tokens),
-             "substitutions": 10, "drops": 0, "admissions": admissions, "evictions": 0, "subst_first_choice": 0,
-             "forced_substitutions": 0, "token_layers": tokens * 4, "token_layers_with_subst": 5,
-             "max_subst_weight": 0.1, "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 0.005,
-             "fetches_per_token": fetches_per_token, "drop_mass_sum": 0.0, "hit_rate": hit_rate,
-             "miss_rate": 1 - hit_rate, "substitution_rate": 0.0125, "mass_hist": [tokens * 4] + [0] * 19}
+def counters(tokens: int, token_layers: int, fetches: int, admissions: int, hit_rate: float) -> dict[str, Any]:
+    return {"calls": token_layers * 2, "hits": 0, "misses": 0, "fetches": fetches, "substitutions": 10, "drops": 0,
+            "admissions": admissions, "evictions": 0, "subst_first_choice": 0, "forced_substitutions": 0,
+            "token_layers": token_layers, "token_layers_with_subst": 5, "max_subst_weight": 0.1,
+            "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 2.0 / token_layers,
+            "fetches_per_token": fetches / tokens, "drop_mass_sum": 0.0, "hit_rate": hit_rate,
+            "miss_rate": 1 - hit_rate, "substitution_rate": 10 / (token_layers * 2),
+            "mass_hist": [token_layers] + [0] * 19}
+
+
+def stats_doc(policy: str, slots: int, layers: list[tuple[int, int, int]], hit_rate: float = 0.8) -> dict[str, Any]:
+    """layers: (tokens decided, fetches, admissions) per MoE layer."""
+    per = [counters(t, t, f, a, hit_rate) for t, f, a in layers]
+    tl = sum(t for t, _, _ in layers)
+    total = counters(tl // len(layers), tl, sum(f for _, f, _ in layers), sum(a for _, _, a in layers), hit_rate)
     return {"schema": "moe-subst/expert-cache-stats", "schema_version": 1,
             "config": {"spec": "", "mode": "emulate", "policy": policy, "slots": slots, "n_expert": 8,
                        "n_expert_used": 2},
-            "total": total, "layers": [{"layer": i, **total} for i in range(4)]}
+            "total": total, "layers": [{"layer": i, **c} for i, c in enumerate(per)]}
 
 
 class FakeSimRunner:
@@ -102,9 +109,9 @@ def hand_trace(tmp_path: Path) -> Path:
 
 
 def test_cost_model_on_simulated_statistics_hand_computed(hand_trace: Path) -> None:
-    runner = FakeSimRunner({
-        "policy=quality,slots=25%": stats_doc("quality", 2, 0.5, admissions=25),
-        "policy=fetch-all,slots=25%": stats_doc("fetch-all", 2, 2.0, admissions=0),
+    runner = FakeSimRunner({  # 100 tokens, every layer decides all of them
+        "policy=quality,slots=25%": stats_doc("quality", 2, [(100, 20, 5), (100, 10, 10), (100, 10, 5), (100, 10, 5)]),
+        "policy=fetch-all,slots=25%": stats_doc("fetch-all", 2, [(100, 50, 0)] * 4),
     })
     rows = run_simulate(hand_trace, INFO, ["quality"], ["25%"], P, runner)
     assert runner.specs == ["policy=quality,slots=25%", "policy=fetch-all,slots=25%"]  # the baseline is added
@@ -125,6 +132,8 @@ def test_cost_model_on_simulated_statistics_hand_computed(hand_trace: Path) -> N
     assert fa.est_speedup_vs_fetch_all == pytest.approx(1.0)
     assert q.replay_decisions_per_s == pytest.approx(1.193e6)
     assert (q.hit_rate, q.fetches_per_token, q.substitution_rate) == (0.8, 0.5, 0.0125)
+    # every layer decided every token: the per-layer sum is the engine's total rate
+    assert q.fetches_per_token == pytest.approx(runner.docs["policy=quality,slots=25%"]["total"]["fetches_per_token"])
 
     text = render_simulate(rows)
     assert "ESTIMATES from the cost model (profile hand)" in text
@@ -139,7 +148,7 @@ def test_run_simulate_checks_the_model(hand_trace: Path) -> None:
     with pytest.raises(HarnessError, match="8 experts, 2 per token; hand.gguf has 16, 2 per token"):
         run_simulate(hand_trace, other, ["quality"], ["25%"], P, runner)
     three = dataclasses.replace(INFO, moe_layers=(0, 1, 2))
-    runner = FakeSimRunner({"policy=fetch-all,slots=25%": stats_doc("fetch-all", 2, 2.0, admissions=0)})
+    runner = FakeSimRunner({"policy=fetch-all,slots=25%": stats_doc("fetch-all", 2, [(100, 50, 0)] * 4)})
     with pytest.raises(HarnessError, match="records for 4 MoE layers"):
         run_simulate(hand_trace, three, ["fetch-all"], ["25%"], P, runner)
     runner = FakeSimRunner({})
@@ -148,6 +157,15 @@ def test_run_simulate_checks_the_model(hand_trace: Path) -> None:
     with pytest.raises(HarnessError, match="bad residency"):
         run_simulate(hand_trace, INFO, ["quality"], ["25%", "x"], P, runner)
     assert runner.specs == []  # checked before anything runs
+
+
+def test_per_token_rates_when_the_last_layer_decides_fewer_tokens(hand_trace: Path) -> None:
+    # a llama-perplexity trace: the last layer decides only the 50 scored tokens of 100
+    doc = stats_doc("fetch-all", 2, [(100, 50, 0), (100, 50, 0), (100, 50, 0), (50, 10, 0)])
+    assert doc["total"]["fetches_per_token"] == pytest.approx(160 / 87)  # the engine's total: biased
+    rows = run_simulate(hand_trace, INFO, ["fetch-all"], ["25%"], P,
+                        FakeSimRunner({"policy=fetch-all,slots=25%": doc}))
+    assert rows[0].fetches_per_token == pytest.approx(0.5 * 3 + 10 / 50)  # what a decoder meets per token
 
 
 def test_calibration_from_measured_runs(tmp_path: Path) -> None:
@@ -345,7 +363,7 @@ def test_run_simulate_end_to_end(patched_build: Build, sim_tool: Path, sim_model
         ("quality", "25%"), ("speed", "25%"), ("fetch-all", "25%"),
         ("quality", "50%"), ("speed", "50%"), ("fetch-all", "50%")]
     fa = rows[2]
-    assert fa.fetches_per_token == pytest.approx(engine["total"]["fetches_per_token"], rel=1e-15)
+    assert fa.fetches_per_token == pytest.approx(sum(la["fetches"] / la["token_layers"] for la in engine["layers"]))
     assert fa.est_speedup_vs_fetch_all == pytest.approx(1.0)
     for r in rows:
         assert r.profile == "rtx3090" and r.est_ms_per_token > 0 and r.replay_decisions_per_s
