@@ -168,10 +168,11 @@ def plan_compare(info: ModelInfo, vram: Size | None, *, reserve_bytes: int = 0,
                      "admission no room to act; give a larger --vram to see admission work")
     gpu_layers = stock_gpu_moe_layers(info, budget, reserve_bytes)
     stock = Placement(n_cpu_moe=_n_cpu_moe_for(info, gpu_layers))
-    patched = Placement(n_cpu_moe=info.n_layers)  # all expert tensors stay in host memory
+    # all expert tensors stay in host memory, unless the budget holds them all (then as stock: nothing offloaded)
+    patched = Placement(n_cpu_moe=0 if gpu_layers >= info.n_moe_layers else info.n_layers)
     per_layer = info.bytes_per_expert * info.n_expert
     host_stock = (info.n_moe_layers - gpu_layers) * per_layer
-    host_patched = info.expert_bytes
+    host_patched = info.expert_bytes if patched.n_cpu_moe else 0
     if host_available_bytes is not None:
         for who, need in (("stock", host_stock), ("patched", host_patched)):
             if need > host_available_bytes:

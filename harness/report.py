@@ -44,7 +44,7 @@ def plan_lines(plan: ComparePlan) -> list[str]:
         "in host memory",
         f"patched: non-expert weights + {s.slots_per_layer} cache slots per layer ({s.resident_fraction:.1%} of the "
         f"experts, {format_bytes(s.cache_bytes)}); all {format_bytes(plan.host_expert_bytes_patched)} of experts "
-        "in host memory",
+        "in host memory" if plan.patched.n_cpu_moe else "patched: the whole model on the device, as stock",
     ]
     return lines
 

@@ -280,7 +280,8 @@ def test_plan_compare_placements() -> None:
     assert narrow.stock.n_cpu_moe == 6 and narrow.stock_gpu_moe_layers == 0
     assert narrow.slots.slots_per_layer == 2
     whole = plan_compare(info, Size(bytes=1 << 30))
-    assert whole.stock.n_cpu_moe == 0 and whole.fits_whole_model
+    assert whole.stock.n_cpu_moe == 0 and whole.patched.n_cpu_moe == 0 and whole.fits_whole_model
+    assert whole.host_expert_bytes_patched == 0
     assert any("nothing is offloaded" in n for n in whole.notes)
     default = plan_compare(info, None)
     assert any("no --vram" in n for n in default.notes) and default.slots.slots_per_layer == 2
