@@ -153,6 +153,14 @@ def check_residency(residency: str) -> str:
     return r
 
 
+def residency_slots(residency: str, n_expert: int) -> int:
+    """Slots per layer of a residency, rounded as the engine rounds (llama_expert_cache_config_n_slots)."""
+    r = check_residency(residency)
+    if r.endswith("%"):
+        return max(1, min(n_expert, math.floor(n_expert * float(r[:-1]) / 100 + 0.5)))
+    return int(r)
+
+
 def sim_spec(policy: str, residency: str) -> str:
     """The cache spec of a named policy (harness.compare.POLICIES) at a residency ("25%" or a slot count)."""
     if policy not in POLICIES:
@@ -250,6 +258,11 @@ def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], re
         sim_spec(p, "1")  # names are checked before anything runs
     res = [check_residency(r) for r in residencies]
     check_trace_matches(trace, info)
+    for r in res:  # the tool refuses these too; saying it here names the residency
+        n = residency_slots(r, info.n_expert)
+        if not info.n_expert_used <= n <= info.n_expert:
+            raise HarnessError(f"residency {r} is {n} slots per layer; this model needs between "
+                               f"{info.n_expert_used} (experts used per token) and {info.n_expert}")
     order = list(dict.fromkeys(policies))
     if BASELINE not in order:
         order.append(BASELINE)

@@ -32,6 +32,7 @@ from harness.simulate import (
     parse_sim_output,
     parse_sim_summary,
     render_simulate,
+    residency_slots,
     run_calibrate,
     run_simulate,
     sim_spec,
@@ -56,6 +57,8 @@ def test_specs_and_residencies() -> None:
     assert sim_spec("quality", "25%") == "policy=quality,slots=25%"
     assert sim_spec("rule-0.15", "16") == "rule=threshold,tau=0.15,evict=lfu,admit=off,slots=16"
     assert check_residency(" 12.5% ") == "12.5%"
+    assert [residency_slots(r, 64) for r in ("25%", "10%", "12.5%", "0.1%", "100%", "12")] == [16, 6, 8, 1, 64, 12]
+    assert residency_slots("2.5%", 100) == 3  # half away from zero, as lround
     for bad in ("25 %", "abc", "-3", "0.25"):
         with pytest.raises(HarnessError, match="bad residency"):
             check_residency(bad)
@@ -370,3 +373,38 @@ def test_run_simulate_end_to_end(patched_build: Build, sim_tool: Path, sim_model
         if r.policy != "fetch-all":
             assert r.fetches_per_token < rows[2 if r.residency == "25%" else 5].fetches_per_token
     assert "ESTIMATES" in render_simulate(rows)
+
+
+def test_cli_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main
+
+    truth = dataclasses.replace(P, h2d_bw_gbs=18.0, layer_roundtrip_us=70.0)
+    works = [TokenWork(n_layers=4, resident_bytes=2e8, fetch_bytes=f * 1e6, fetch_ops=f, sync_layers=4)
+             for f in (0, 5, 10, 20)]
+    works += [TokenWork(n_layers=4, resident_bytes=2e8, sync_layers=s, cpu_expert_bytes=s * 1e7) for s in (1, 2, 3)]
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(json.dumps({"work": dataclasses.asdict(w), "ms": estimate(truth, w).ms_per_token}) + "\n"
+                            for w in works))
+    base = tmp_path / "base.json"
+    base.write_text(profile_json(P))
+    out = tmp_path / "fit.json"
+    assert main(["calibrate", str(runs), "--base", str(base), "-o", str(out), "--name", "mine"]) == 0
+    assert "profile mine" in capsys.readouterr().out
+    fit = load_profile_file(out)
+    assert fit.h2d_bw_gbs == pytest.approx(18.0, rel=1e-6) and fit.layer_roundtrip_us == pytest.approx(70.0, rel=1e-6)
+    assert main(["calibrate", str(tmp_path / "none.jsonl"), "-o", str(out)]) == 2
+
+
+@pytest.mark.build
+def test_cli_simulate(patched_build: Build, sim_tool: Path, sim_model: Path, sim_text: Path, tmp_path: Path,
+                      capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main
+
+    _, trace, _ = engine_run(patched_build, sim_model, sim_text, "policy=fetch-all,slots=25%", tmp_path)
+    assert main(["simulate", "--trace", str(trace), "--model", str(sim_model), "--residency", "25%",
+                 "--policies", "quality,speed"]) == 0
+    out = capsys.readouterr().out
+    assert "ESTIMATES from the cost model (profile rtx3090)" in out
+    assert [ln.split()[0] for ln in out.splitlines()[2:5]] == ["quality", "speed", "fetch-all"]
+    assert main(["simulate", "--trace", str(trace), "--model", str(sim_model), "--residency", "5%"]) == 2
+    assert "residency 5% is 3 slots per layer; this model needs between 8" in capsys.readouterr().err
