@@ -362,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_sweep(sub)
     _add_check_and_report(sub)
+    _add_topics(sub)
+    _add_study(sub)
     _add_simulate(sub)
     return p
 
