@@ -152,6 +152,7 @@ def check_consistent(stats: dict) -> None:  # type: ignore[type-arg]
     total = stats["total"]
     for key in ("calls", "hits", "misses", "fetches", "substitutions", "drops", "admissions", "evictions"):
         assert total[key] == sum(layer[key] for layer in stats["layers"])
+    assert total["tokens"] == N_CHUNKS * N_CTX
     # every token of every chunk is decided once per layer, and the warmup run does not count; except that
     # most llama.cpp graphs (not hy_v3's) compute the last layer only for the tokens whose logits are needed
     # (the scored second half of each chunk)
