@@ -6,7 +6,8 @@
    (decode) and 128 per call, on synthetic router logits. (The engine also reports its own measurement in
    the stats JSON, `route_ns_per_token_layer`.)
 2. Throughput of emulate mode against stock (target >= 90%): llama-perplexity tokens/s (wall time of the
-   process) and llama-bench pp512/tg64, stock and patched interleaved, on a generated f16 model (q8_0 hits SIGILL in the CPU AMX path on this host, stock too).
+   process) and llama-bench pp512/tg64, stock and patched interleaved, on a generated f16 model (q8_0
+   hits SIGILL in the CPU AMX path on this host, stock too).
    Medians, with min and max; on a shared host the spread can be large.
 
 Usage: .venv/bin/python scripts/bench_expert_cache.py [--reps 3] [--threads 2] [--out results/bench-expert-cache.json]
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", default="2")
     ap.add_argument("--skip-route", action="store_true", help="only the throughput part")
+    ap.add_argument("--skip-throughput", action="store_true", help="only the route-step part")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench-expert-cache.json"))
     a = ap.parse_args()
 
@@ -84,6 +86,8 @@ def main() -> int:
     results["route"] = route
 
     # 2. throughput, stock vs emulate, interleaved: llama-perplexity (wall time) and llama-bench (pp, tg)
+    if a.skip_throughput:
+        return finish(results, Path(a.out))
     model = write_synth_model(SynthSpec(arch="qwen3moe", n_expert=64, n_expert_used=8, n_layer=4, n_embd=512,
                                         n_ff_exp=128, n_head=8, n_head_kv=4, dtype="f16", seed=1), tmp / "thr.gguf")
     configs: list[tuple[str, Path, str | None]] = [
@@ -122,7 +126,10 @@ def main() -> int:
                   f"max {max(xs):.2f})  {100 * m / base:6.1f}% of stock", flush=True)
     results["bench_tokens_per_s"] = thr
 
-    out = Path(a.out)
+    return finish(results, Path(a.out))
+
+
+def finish(results: dict[str, object], out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

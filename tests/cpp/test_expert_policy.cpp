@@ -297,12 +297,54 @@ static void test_random() {
     }
 }
 
+// the per-token candidate list gives exactly the decisions of a full scan per substitution
+static void test_fast_substitute() {
+    const char * specs[] = {
+        "policy=quality,slots=16", "policy=speed,slots=12", "rule=substitute-all,admit=off,slots=10",
+        "rule=threshold,tau=0.05,evict=lru,admit=0.2,slots=9", "rule=first-choice,evict=lfu,admit=0.1,halve=64,slots=8",
+    };
+    for (const char * spec : specs) {
+        const auto cfg = cfg_of(spec);
+        const int E = 64, k = 8;
+        llama_expert_layer_policy fast, slow;
+        fast.init(E, llama_expert_cache_config_n_slots(cfg, E), cfg);
+        slow.init(E, llama_expert_cache_config_n_slots(cfg, E), cfg);
+        slow.fast_substitute = false;
+        std::mt19937 rng(7);
+        std::vector<float> logits(E);
+        for (int t = 0; t < 4000; ++t) {
+            for (int e = 0; e < E; ++e) {
+                // coarse values: many ties, to exercise the lowest-id rule
+                logits[e] = std::round(4.0f * std::normal_distribution<float>(0.0f, 1.0f)(rng)) / 4.0f;
+            }
+            std::vector<int32_t> order(E);
+            for (int e = 0; e < E; ++e) order[e] = e;
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+            std::vector<int32_t> ids(order.begin(), order.begin() + k);
+            std::vector<float> w(k);
+            float sum = 0;
+            for (int r = 0; r < k; ++r) { w[r] = std::exp(logits[ids[r]]); sum += w[r]; }
+            for (int r = 0; r < k; ++r) { w[r] /= sum; }
+            auto a = step(fast, ids, w, logits);
+            auto b = step(slow, ids, w, logits);
+            CHECK(a.out == b.out && a.act == b.act);
+            if (a.out != b.out || a.act != b.act) {
+                std::fprintf(stderr, "  %s: token %d differs\n", spec, t);
+                break;
+            }
+        }
+        CHECK(fast.expert_of == slow.expert_of);
+        CHECK(fast.stats.substitutions == slow.stats.substitutions && fast.stats.substitutions > 0);
+    }
+}
+
 int main() {
     test_parse();
     test_admission();
     test_lfu_lru();
     test_rules();
     test_random();
+    test_fast_substitute();
     if (n_fail) {
         std::fprintf(stderr, "%d checks failed\n", n_fail);
         return 1;
