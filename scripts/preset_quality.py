@@ -5,7 +5,8 @@ Runs the patched llama-perplexity (one sequence per batch, so ubatch order is de
 generated models, once with the cache off (identical to stock, see tests/test_expert_cache.py) and once per
 policy, and reports per policy: substitution rate, miss rate, mean substituted mass, and delta-PPL% =
 100 (exp(mean(nll_policy - nll_off)) - 1) with a 95% CI from a bootstrap over chunks (paired, same tokens).
-Random-weight models: the numbers show that the machinery works, not what a trained model would lose.
+On generated (random-weight) models the numbers show that the machinery works, not what a trained model
+would lose; pass --model and --text for a trained one.
 
 Usage: .venv/bin/python scripts/preset_quality.py [--arch qwen3moe] [--chunks 16] [--threads 1]
 """
@@ -40,15 +41,18 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--threads", default="1")
     ap.add_argument("--slots", default="25%")
+    ap.add_argument("--model", type=Path, help="a GGUF to use instead of generated models")
+    ap.add_argument("--text", type=Path, help="the text to score (default: generated)")
     a = ap.parse_args()
     patched = get_build("patched")
     tmp = Path(tempfile.mkdtemp(prefix="preset-quality-"))
-    text = tmp / "text.txt"
-    text.write_text(synth_text(150000, seed=5))
+    text = a.text or tmp / "text.txt"
+    if a.text is None:
+        text.write_text(synth_text(150000, seed=5))
     rng = np.random.default_rng(0)
-    for arch in a.arch or ["qwen3moe"]:
-        model = write_synth_model(SynthSpec(arch=arch, n_expert=64, n_expert_used=8, n_layer=4, seed=7),
-                                  tmp / f"{arch}.gguf")
+    for arch in ([a.model.stem] if a.model else a.arch or ["qwen3moe"]):
+        model = a.model or write_synth_model(SynthSpec(arch=arch, n_expert=64, n_expert_used=8, n_layer=4, seed=7),
+                                             tmp / f"{arch}.gguf")
 
         def run(spec: str | None, tag: str, arch: str = arch,
                 model: Path = model) -> tuple[np.ndarray, dict | None]:  # type: ignore[type-arg]
@@ -64,7 +68,7 @@ def main() -> int:
 
         base, _ = run(None, "off")
         per = len(base) // a.chunks
-        print(f"{arch}: E=64 k=8, slots={a.slots}, {a.chunks} chunks x {per} scored tokens, "
+        print(f"{arch}: slots={a.slots}, {a.chunks} chunks x {per} scored tokens, "
               f"PPL(off) = {np.exp(base.mean()):.4f}")
         print(f"  {'policy':32s} {'subst rate':>10s} {'miss rate':>9s} {'mass':>7s} {'fc subst':>8s} "
               f"{'admits':>7s} {'dPPL%':>8s}  95% CI (chunk bootstrap)")
