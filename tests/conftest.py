@@ -57,4 +57,22 @@ def stock_build() -> Build:
 
 @pytest.fixture(scope="session")
 def patched_build() -> Build:
-    return _build("patched")
+    override = _patched_override()
+    return override if override is not None else _build("patched")
+
+
+# ---- developer override (not used by CI) -----------------------------------------------------------
+# MOE_SUBST_PATCHED_BIN=/path/to/build/bin points the `patched_build` fixture at another patched build
+# (e.g. a work-in-progress clone of the patched tree) instead of the one in build/builds.json.
+
+
+def _patched_override() -> Build | None:
+    import os
+
+    path = os.environ.get("MOE_SUBST_PATCHED_BIN")
+    if not path:
+        return None
+    build = Build(name="patched", backend="cpu", bin_dir=Path(path))
+    if not build.present():
+        pytest.skip(f"MOE_SUBST_PATCHED_BIN={path} lacks some binaries")
+    return build
