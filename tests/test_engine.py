@@ -240,3 +240,42 @@ def test_engine_refuses_repacked_weights(tmp_path: Path, engine_text: Path, engi
         pytest.skip("this CPU crashes (SIGILL) in ggml's repack kernels while loading, before the engine's check")
     assert bad.returncode != 0
     assert "--no-repack" in bad.output
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_prefill_bypass(arch: str, engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                               stock_build: Build, engine_build: Build) -> None:
+    """bypass=N: ubatches of N tokens or more take stock routing with the full expert tensors (the stock output),
+    decide nothing, and warm the banks with their most selected experts; emulate mode does the same."""
+    model = engine_models[arch]
+    spec = "policy=quality,slots=25%,bypass=32"
+    stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", nll=False)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}")
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}")
+    for r in (stock, eng, emu):
+        check_ok(r)
+    assert eng.logits == stock.logits and emu.logits == stock.logits
+    assert eng.stats is not None and emu.stats is not None
+    assert eng.stats["bypass"] == 32
+    assert eng.stats["total"]["calls"] == 0
+    assert eng.stats["bypass_token_layers"] >= N_CHUNKS * N_CTX * (N_LAYER - 1)
+    assert eng.stats["bypass_token_layers"] == emu.stats["bypass_token_layers"]
+    assert eng.stats["engine"]["copied_experts"] > 0  # the banks were warmed with the prompt's experts
+
+
+@pytest.mark.build
+def test_engine_prefill_then_decode(engine_models: dict[str, Path], tmp_path: Path, engine_build: Build) -> None:
+    """llama-bench pp64 + tg16: the prompt through the bypass, the generated tokens through the banks."""
+    stats = tmp_path / "stats.json"
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["LLAMA_MOE_CACHE"] = f"mode=engine,policy=quality,slots=25%,bypass=32,stats={stats}"
+    res = subprocess.run([str(engine_build.tool("llama-bench")), "-m", str(engine_models["qwen3moe"]), "-p", "0",
+                          "-n", "0", "-pg", "64,16", "-r", "2", "-t", THREADS, "-o", "jsonl"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads(stats.read_text())
+    assert s["bypass_token_layers"] > 0
+    assert s["total"]["calls"] > 0 and s["total"]["calls"] == s["total"]["token_layers"] * K
+    assert s["total"]["hits"] + s["total"]["misses"] == s["total"]["calls"]
+    assert s["engine"]["copied_experts"] >= s["total"]["fetches"] + s["total"]["admissions"]
