@@ -408,3 +408,24 @@ def test_cli_simulate(patched_build: Build, sim_tool: Path, sim_model: Path, sim
     assert [ln.split()[0] for ln in out.splitlines()[2:5]] == ["quality", "speed", "fetch-all"]
     assert main(["simulate", "--trace", str(trace), "--model", str(sim_model), "--residency", "5%"]) == 2
     assert "residency 5% is 3 slots per layer; this model needs between 8" in capsys.readouterr().err
+
+
+@pytest.mark.build
+def test_simulator_equals_engine_on_the_trained_model(patched_build: Build, sim_tool: Path, tmp_path: Path) -> None:
+    from harness.compare import default_model
+    from harness.project import project_root
+
+    try:
+        model = default_model()
+    except HarnessError as e:
+        pytest.skip(str(e))
+    text = project_root() / "eval" / "data" / "heldout.txt"
+    if not text.is_file():
+        pytest.skip(f"no {text}")
+    short = tmp_path / "heldout-part.txt"
+    short.write_text(text.read_text()[:40000])
+    spec = "policy=quality,slots=25%"
+    engine, trace, _ = engine_run(patched_build, model, short, spec, tmp_path, profile_out=False)
+    res = sim_run(sim_tool, trace, spec, tmp_path / "sim.json", "--verify")
+    assert res.returncode == 0, res.stderr  # no action differs (a substitute may, on a float tie of two scores)
+    assert comparable(json.loads((tmp_path / "sim.json").read_text())) == comparable(engine)
