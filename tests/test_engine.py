@@ -279,3 +279,28 @@ def test_engine_prefill_then_decode(engine_models: dict[str, Path], tmp_path: Pa
     assert s["total"]["calls"] > 0 and s["total"]["calls"] == s["total"]["token_layers"] * K
     assert s["total"]["hits"] + s["total"]["misses"] == s["total"]["calls"]
     assert s["engine"]["copied_experts"] >= s["total"]["fetches"] + s["total"]["admissions"]
+
+
+@pytest.mark.build
+def test_engine_vram_budget(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                            engine_build: Build) -> None:
+    """vram=SIZE: the slots per layer that fit (more budget, more slots, at most n_expert; the banks within the
+    budget); a budget too small for k slots per layer is a clear error naming the minimum."""
+    model = engine_models["qwen3moe"]
+    slots = []
+    for vram in ("1M", "2M", "1G"):
+        r = run_ppl(engine_build, model, engine_text, tmp_path / vram,
+                    f"mode=engine,policy=quality,vram={vram},vram_reserve=0", ubatch=1, extra=("--fit", "off"))
+        check_ok(r)
+        assert r.stats is not None
+        slots.append(r.stats["config"]["slots"])
+        budget = {"1M": 1 << 20, "2M": 2 << 20, "1G": 1 << 30}[vram]
+        assert r.stats["engine"]["bank_bytes"] <= budget
+    assert K <= slots[0] < slots[1] <= slots[2] == N_EXPERT
+    bad = run_ppl(engine_build, model, engine_text, tmp_path / "small", "mode=engine,vram=100K,vram_reserve=0",
+                  ubatch=1, extra=("--fit", "off"), want="need at least")
+    assert bad.returncode != 0
+    assert "is too small" in bad.output and "need at least" in bad.output
+    bad = run_ppl(engine_build, model, engine_text, tmp_path / "reserve", "mode=engine,vram=64M", ubatch=1,
+                  extra=("--fit", "off"), want="need at least")
+    assert bad.returncode != 0 and "vram_reserve" in bad.output  # the default reserve (256 MiB) does not fit
