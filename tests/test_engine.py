@@ -304,3 +304,22 @@ def test_engine_vram_budget(engine_models: dict[str, Path], engine_text: Path, t
     bad = run_ppl(engine_build, model, engine_text, tmp_path / "reserve", "mode=engine,vram=64M", ubatch=1,
                   extra=("--fit", "off"), want="need at least")
     assert bad.returncode != 0 and "vram_reserve" in bad.output  # the default reserve (256 MiB) does not fit
+
+
+def test_gpu_check_dry_run() -> None:
+    """scripts/gpu_check.sh --dry-run: the plan (stock with --n-cpu-moe, engine presets under the same budget)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    res = subprocess.run(["bash", str(script), "--dry-run", "--layers", "8"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "build.sh --cuda --cuda-arch 90" in out
+    assert "harness synth" in out and "--experts 512" in out and "--top-k 10" in out
+    budget = int(out.split("VRAM budget ")[1].split(" MiB")[0])
+    ncmoe = int(out.split("--n-cpu-moe ")[1].split()[0])
+    assert 0 < ncmoe <= 8
+    lines = [line for line in out.splitlines() if line.startswith("+ [")]
+    assert [line.split("]")[0][3:] for line in lines] == ["stock", "engine-fetch-all", "engine-quality", "engine-speed"]
+    assert f"-ncmoe {ncmoe}" in lines[0] and "LLAMA_MOE_CACHE" not in lines[0]
+    for line in lines[1:]:
+        assert f"vram={budget}M" in line and "mode=engine" in line and "-ncmoe 8" in line and "--repack 0" in line
