@@ -4,8 +4,10 @@
   the same logits; with larger ubatches (full expert tensors, same policy) too;
 - engine fetch-all at any residency gives the stock build's output;
 - adversarial runs (slots = k, every preset and rule, high-churn text): no assertion fires (an expert in use by
-  the token is never evicted, a slot is never used before its copy completed: GGML_ASSERTs in the engine),
-  statistics consistent, every fetch and admission is one expert copied;
+  the token is never evicted, a slot is never used before its copy completed nor overwritten while a
+  background copy runs: GGML_ASSERTs in the engine), statistics consistent, every fetch and admission is one
+  expert copied, admissions through the background state;
+- prefill bypass (bypass=N) gives the stock output and warms the banks; vram=SIZE fits the slots to a budget;
 - layouts that cannot be copied slot by slot (repacked CPU weights) are refused with a clear message.
 
 Skipped, with the reason, when the patched build has no engine mode yet. While developing, point the
@@ -154,6 +156,8 @@ def test_engine_decode_equals_emulate(arch: str, policy: str, engine_models: dic
     e = eng.stats["engine"]
     # decode: every fetch and every admission is one expert copied into a slot, nothing else
     assert e["copied_experts"] == t["fetches"] + t["admissions"]
+    # admissions go through the background state (LOADING until the layer's next step), fetches do not
+    assert e["background_experts"] == t["admissions"]
     assert e["copy_bytes"] > 0 and e["copies"] >= 1 and e["bank_bytes"] > 0
     assert emu.nll is not None and eng.nll is not None
     np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
@@ -219,6 +223,7 @@ def test_engine_adversarial(spec: str, ubatch: int, engine_models: dict[str, Pat
     e = r.stats["engine"]
     if ubatch == 1:
         assert e["copied_experts"] == t["fetches"] + t["admissions"]
+        assert e["background_experts"] == t["admissions"]
     else:
         assert e["copied_experts"] <= t["fetches"] + t["admissions"]
     assert r.nll is not None and np.all(np.isfinite(r.nll))
