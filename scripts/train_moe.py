@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""Train the project's tiny MoE language model and export it to GGUF (qwen3moe layout).
+
+Stages (``--stage``, default ``all``):
+  tokenizer  train a byte-level BPE on the training corpus (build/tinymoe/train.jsonl, made by
+             scripts/build_corpus.py) and encode the corpus to a token stream
+  train      train the model (PyTorch, CPU, bf16 autocast with fp32 master weights)
+  export     write the F16 GGUF that stock llama.cpp loads as architecture ``qwen3moe``
+  eval       PyTorch perplexity on eval/data/heldout.txt computed the way llama-perplexity does it,
+             unigram perplexity, and routing statistics; written to <out>.eval.json
+
+The model is the qwen3moe computation: RMSNorm; grouped-query attention with per-head RMSNorm on q and
+k and NEOX-style RoPE; an MoE FFN whose router takes a softmax over all experts, keeps the top k and
+renormalises their weights to sum to one; SwiGLU experts; tied input/output embeddings. Training adds a
+load-balancing loss (fraction of assignments x mean router probability, summed over experts, times E).
+
+Deterministic for a given seed and thread count. Re-run the committed model with:
+
+    .venv/bin/python scripts/build_corpus.py
+    nice -n 10 .venv/bin/python scripts/train_moe.py --stage all
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the pre-tokenizer regex of llama.cpp's "qwen2" pre type (src/llama-vocab.cpp), in the form the
+# HF tokenizer.json of Qwen2 writes it; llama.cpp's copy is the same pattern with the case-insensitive
+# group spelled out
+QWEN2_PRETOKENIZER_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+EOT = "<|endoftext|>"
+
+
+@dataclasses.dataclass
+class Config:
+    vocab_size: int = 8192
+    d_model: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2
+    head_dim: int = 64
+    n_expert: int = 64
+    top_k: int = 8
+    d_expert: int = 96
+    n_ctx: int = 512
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    # training
+    seed: int = 1234
+    batch_seqs: int = 8
+    # learning-rate schedule: linear warmup, constant, then linear decay to min_lr_frac * lr over the
+    # steps from decay_start to steps. With --time-budget the run picks decay_start when 80% of the
+    # budget has passed and sets steps = 1.25 * decay_start; both are saved, and passing them back
+    # (--decay-start N --steps M) reproduces the run without the clock.
+    steps: int = 0
+    decay_start: int = 0
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 1e-4
+    grad_clip: float = 1.0
+    threads: int = 2
+    eval_every: int = 50
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+def train_tokenizer(cfg: Config, work: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZER_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size, min_frequency=2, special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+
+    def texts():
+        with open(work / "train.jsonl", encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["text"]
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    assert tok.get_vocab_size() == cfg.vocab_size, tok.get_vocab_size()
+    tok.save(str(work / "tokenizer.json"))
+
+    eot = tok.token_to_id(EOT)
+    ids: list[np.ndarray] = []
+    batch: list[str] = []
+
+    def flush() -> None:
+        for enc in tok.encode_batch(batch, add_special_tokens=False):
+            ids.append(np.asarray(enc.ids + [eot], dtype=np.uint16))
+        batch.clear()
+
+    for t in texts():
+        batch.append(t)
+        if len(batch) == 256:
+            flush()
+    flush()
+    stream = np.concatenate(ids)
+    np.save(work / "train_tokens.npy", stream)
+    print(f"tokenizer: vocab {tok.get_vocab_size()}, training stream {len(stream)} tokens")
+
+
+def load_tokenizer(work: Path):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(work / "tokenizer.json"))
+
+
+# --- model --------------------------------------------------------------------------------------
+
+def build_model(cfg: Config):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def rms_norm(x, w, eps):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            E, d, f = cfg.n_expert, cfg.d_model, cfg.d_expert
+            self.router = nn.Parameter(torch.empty(E, d))
+            self.w_gate = nn.Parameter(torch.empty(E, f, d))
+            self.w_up = nn.Parameter(torch.empty(E, f, d))
+            self.w_down = nn.Parameter(torch.empty(E, d, f))
+
+        def forward(self, x):  # x: [T, d]
+            T, d = x.shape
+            if torch.is_autocast_enabled("cpu"):
+                x = x.to(torch.get_autocast_dtype("cpu"))  # gather/scatter in bf16: half the traffic
+            E, k = cfg.n_expert, cfg.top_k
+            logits = F.linear(x.float(), self.router.float())   # router in fp32
+            probs = torch.softmax(logits, dim=-1)
+            top_p, top_i = probs.topk(k, dim=-1)                # [T, k]
+            gate = top_p / top_p.sum(-1, keepdim=True)
+            flat_e = top_i.reshape(-1)
+            order = torch.argsort(flat_e, stable=True)
+            e_sorted = flat_e[order]
+            tok_sorted = order // k
+            counts = torch.bincount(flat_e, minlength=E)
+            starts = torch.cumsum(counts, 0) - counts
+            cap = int(counts.max())
+            slot = torch.arange(T * k) - starts[e_sorted]
+            dest = e_sorted * cap + slot
+            # scatter the (token, expert) pairs into a zero-padded [E, cap, d] batch; nothing is dropped
+            buf = x.new_zeros(E * cap, d).index_copy(0, dest, x[tok_sorted]).view(E, cap, d)
+            wg = self.w_gate.to(x.dtype).transpose(1, 2)
+            wu = self.w_up.to(x.dtype).transpose(1, 2)
+            wd = self.w_down.to(x.dtype).transpose(1, 2)
+            h = F.silu(torch.bmm(buf, wg)) * torch.bmm(buf, wu)
+            y = torch.bmm(h, wd).reshape(E * cap, d)
+            y = y[dest] * gate.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+            out = torch.zeros(T, d, dtype=y.dtype).index_add(0, tok_sorted, y)
+            # load-balancing loss (Switch style, over all k choices) and router z-loss
+            frac = counts.float() / (T * k)
+            aux = E * (frac * probs.mean(0)).sum()
+            z = torch.logsumexp(logits, -1).pow(2).mean()
+            stats = {"top_i": top_i.detach(), "gate": gate.detach()}
+            return out, aux, z, stats
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            d, hd = cfg.d_model, cfg.head_dim
+            self.attn_norm = nn.Parameter(torch.ones(d))
+            self.wq = nn.Linear(d, cfg.n_head * hd, bias=False)
+            self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
+            self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
+            self.wo = nn.Linear(cfg.n_head * hd, d, bias=False)
+            self.q_norm = nn.Parameter(torch.ones(hd))
+            self.k_norm = nn.Parameter(torch.ones(hd))
+            self.ffn_norm = nn.Parameter(torch.ones(d))
+            self.moe = MoE()
+
+        def forward(self, x, cos, sin):
+            B, S, d = x.shape
+            hd = cfg.head_dim
+            h = rms_norm(x, self.attn_norm, cfg.rms_eps)
+            q = rms_norm(self.wq(h).view(B, S, cfg.n_head, hd), self.q_norm, cfg.rms_eps)
+            k = rms_norm(self.wk(h).view(B, S, cfg.n_kv_head, hd), self.k_norm, cfg.rms_eps)
+            v = self.wv(h).view(B, S, cfg.n_kv_head, hd)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.wo(a.transpose(1, 2).reshape(B, S, -1))
+            h = rms_norm(x, self.ffn_norm, cfg.rms_eps)
+            m, aux, z, stats = self.moe(h.reshape(B * S, d))
+            return x + m.view(B, S, d).to(x.dtype), aux, z, stats
+
+    def rope(x, cos, sin):  # NEOX style: rotate the two halves of each head
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+            self.blocks = nn.ModuleList(Block() for _ in range(cfg.n_layer))
+            self.out_norm = nn.Parameter(torch.ones(cfg.d_model))
+            hd = cfg.head_dim
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+            ang = torch.arange(cfg.n_ctx, dtype=torch.float64)[:, None] * inv[None, :]
+            self.register_buffer("cos", ang.cos().float()[None, :, None, :], persistent=False)
+            self.register_buffer("sin", ang.sin().float()[None, :, None, :], persistent=False)
+
+        def forward(self, ids):
+            B, S = ids.shape
+            x = self.embed[ids]
+            cos, sin = self.cos[:, :S], self.sin[:, :S]
+            auxs, zs, stats = [], [], []
+            for blk in self.blocks:
+                x, aux, z, st = blk(x, cos, sin)
+                auxs.append(aux)
+                zs.append(z)
+                stats.append(st)
+            x = rms_norm(x, self.out_norm, cfg.rms_eps)
+            logits = F.linear(x, self.embed.to(x.dtype))
+            return logits, torch.stack(auxs).mean(), torch.stack(zs).mean(), stats
+
+    model = Model()
+    g = torch.Generator().manual_seed(cfg.seed)
+    std = 0.02
+    out_std = std / math.sqrt(2 * cfg.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                continue
+            s = out_std if (name.endswith("wo.weight") or name.endswith("w_down")) else std
+            p.copy_(torch.randn(p.shape, generator=g) * s)
+    return model
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def heldout_tokens(work: Path) -> np.ndarray:
+    tok = load_tokenizer(work)
+    text = (ROOT / "eval/data/heldout.txt").read_text(encoding="utf-8")
+    return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+def train(cfg: Config, work: Path, out: Path, time_budget: float | None) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    stream = np.load(work / "train_tokens.npy").astype(np.int64)
+    held = heldout_tokens(work)
+    rng = np.random.default_rng(cfg.seed)
+    model = build_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters; training stream {len(stream)} tokens")
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        if cfg.decay_start <= 0 or step < cfg.decay_start:
+            return cfg.lr
+        t = (step - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start)
+        return cfg.lr * (1 - (1 - cfg.min_lr_frac) * min(1.0, t))
+
+    # a fixed slice of held-out text for the periodic eval (8 windows of n_ctx)
+    n_ev = 8
+    ev = torch.from_numpy(held[: n_ev * cfg.n_ctx + 1].copy())
+    ev_x = ev[:-1].view(n_ev, cfg.n_ctx)
+    ev_y = ev[1:].view(n_ev, cfg.n_ctx)
+
+    log_path = out.with_suffix(".trainlog.jsonl")
+    log = open(log_path, "w")
+    t0 = time.time()
+    tokens_seen = 0
+    if time_budget is None:
+        assert cfg.steps > 0 and 0 < cfg.decay_start <= cfg.steps, "give --steps and --decay-start"
+    else:
+        cfg.steps, cfg.decay_start = 10**9, 0
+    step = 0
+    while step < cfg.steps:
+        if time_budget is not None and cfg.decay_start == 0 and time.time() - t0 >= 0.8 * time_budget:
+            cfg.decay_start = max(step, cfg.warmup)
+            cfg.steps = int(round(1.25 * cfg.decay_start))
+            print(f"decay starts at step {cfg.decay_start}; total steps {cfg.steps}", flush=True)
+        starts = rng.integers(0, len(stream) - cfg.n_ctx - 1, size=cfg.batch_seqs)
+        batch = np.stack([stream[s: s + cfg.n_ctx + 1] for s in starts])
+        x = torch.from_numpy(batch[:, :-1])
+        y = torch.from_numpy(batch[:, 1:])
+        for gr in opt.param_groups:
+            gr["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, aux, z, _ = model(x)
+        ce = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
+        loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        tokens_seen += x.numel()
+        rec = {"step": step + 1, "tokens": tokens_seen, "loss": round(ce.item(), 5),
+               "aux": round(aux.item(), 5), "z": round(z.item(), 4), "grad_norm": round(gn.item(), 4),
+               "lr": lr_at(step), "elapsed_s": round(time.time() - t0, 1)}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            model.eval()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                el, _, _, _ = model(ev_x)
+                rec["heldout_loss"] = round(F.cross_entropy(el.float().view(-1, cfg.vocab_size),
+                                                            ev_y.reshape(-1)).item(), 5)
+            model.train()
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if (step + 1) % 25 == 0 or "heldout_loss" in rec:
+            print(json.dumps(rec), flush=True)
+        step += 1
+    log.close()
+    torch.save({"config": dataclasses.asdict(cfg), "state_dict": model.state_dict(),
+                "tokens_seen": tokens_seen, "train_seconds": round(time.time() - t0, 1)},
+               out.with_suffix(".pt"))
+    print(f"trained {cfg.steps} steps, {tokens_seen} tokens in {time.time() - t0:.0f} s")
+
+
+def load_trained(out: Path):
+    import torch
+    ck = torch.load(out.with_suffix(".pt"), weights_only=False)
+    cfg = Config(**ck["config"])
+    model = build_model(cfg)
+    model.load_state_dict(ck["state_dict"])
+    model.eval()
+    return cfg, model, ck
+
+
+# --- export -------------------------------------------------------------------------------------
+
+def gguf_tensors(cfg: Config, model):
+    """(name, numpy array, is_f32) in the qwen3moe layout of llama.cpp's gguf tensor names."""
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    yield "token_embd.weight", sd["embed"], False
+    yield "output_norm.weight", sd["out_norm"], True
+    for i in range(cfg.n_layer):
+        p = f"blocks.{i}."
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", sd[p + "attn_norm"], True
+        yield b + "attn_q.weight", sd[p + "wq.weight"], False
+        yield b + "attn_k.weight", sd[p + "wk.weight"], False
+        yield b + "attn_v.weight", sd[p + "wv.weight"], False
+        yield b + "attn_output.weight", sd[p + "wo.weight"], False
+        yield b + "attn_q_norm.weight", sd[p + "q_norm"], True
+        yield b + "attn_k_norm.weight", sd[p + "k_norm"], True
+        yield b + "ffn_norm.weight", sd[p + "ffn_norm"], True
+        yield b + "ffn_gate_inp.weight", sd[p + "moe.router"], True
+        yield b + "ffn_gate_exps.weight", sd[p + "moe.w_gate"], False
+        yield b + "ffn_up_exps.weight", sd[p + "moe.w_up"], False
+        yield b + "ffn_down_exps.weight", sd[p + "moe.w_down"], False
+
+
+def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bool = False) -> None:
+    """Write the GGUF: matrices in F16 (or everything in F32 with f32=True, for the exact check)."""
+    import gguf
+
+    tok = load_tokenizer(work)
+    vocab = tok.get_vocab()
+    id_to_tok = {i: t for t, i in vocab.items()}
+    tokens = [id_to_tok[i] for i in range(cfg.vocab_size)]
+    special = {tok.token_to_id(EOT)}
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+             for i in range(cfg.vocab_size)]
+    tj = json.loads((work / "tokenizer.json").read_text())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    eot = tok.token_to_id(EOT)
+
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name("tinymoe")
+    w.add_description(f"moe-subst tiny MoE, trained on {tokens_seen} tokens of offline Debian text")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_context_length(cfg.n_ctx)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.d_expert * cfg.top_k)
+    w.add_expert_feed_forward_length(cfg.d_expert)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_kv_head)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_expert_count(cfg.n_expert)
+    w.add_expert_used_count(cfg.top_k)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(eot)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    for name, arr, is_f32 in gguf_tensors(cfg, model):
+        w.add_tensor(name, arr.astype(np.float32 if (is_f32 or f32) else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"exported {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+def f16_rounded(cfg: Config, model):
+    """A copy of the model whose matrices are rounded to F16 the way the GGUF stores them."""
+    import copy
+
+    import torch
+    m = copy.deepcopy(model)
+    f32_names = {"out_norm", "attn_norm", "q_norm", "k_norm", "ffn_norm", "moe.router"}
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not any(name.endswith(s) for s in f32_names):
+                p.copy_(p.half().float())
+    return m
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+def perplexity_like_llama(cfg: Config, model, ids: np.ndarray, n_ctx: int, n_chunks: int | None = None):
+    """llama-perplexity's number: the text is cut into n_ctx chunks; in each chunk the logits at
+    positions n_ctx/2 .. n_ctx-2 score the next token; PPL = exp(mean NLL over all scored tokens).
+    (No BOS: the GGUF says add_bos_token = false.) Returns (ppl, nll_sum, count, stats)."""
+    import torch
+    import torch.nn.functional as F
+
+    n_chunk = len(ids) // n_ctx
+    if n_chunks is not None:
+        n_chunk = min(n_chunk, n_chunks)
+    first = n_ctx // 2
+    nll, count = 0.0, 0
+    usage = np.zeros((cfg.n_layer, cfg.n_expert), dtype=np.int64)
+    first_gate = np.zeros(cfg.n_layer)
+    n_tok = 0
+    with torch.no_grad():
+        for c in range(0, n_chunk, 4):
+            cs = range(c, min(c + 4, n_chunk))
+            x = torch.from_numpy(np.stack([ids[i * n_ctx:(i + 1) * n_ctx] for i in cs]))
+            logits, _, _, stats = model(x)
+            lp = F.log_softmax(logits[:, first:n_ctx - 1].double(), -1)
+            tgt = x[:, first + 1:]
+            nll -= lp.gather(-1, tgt.unsqueeze(-1)).sum().item()
+            count += tgt.numel()
+            for li, st in enumerate(stats):
+                usage[li] += np.bincount(st["top_i"].reshape(-1).numpy(), minlength=cfg.n_expert)
+                first_gate[li] += st["gate"][:, 0].sum().item()
+            n_tok += x.numel()
+    return math.exp(nll / count), nll, count, {"usage": usage, "first_gate_sum": first_gate,
+                                              "tokens": n_tok}
+
+
+def routing_report(cfg: Config, st) -> list[dict]:
+    rows = []
+    for li in range(cfg.n_layer):
+        u = st["usage"][li].astype(np.float64)
+        p = u / u.sum()
+        uniform = 1.0 / cfg.n_expert
+        ent = -(p[p > 0] * np.log(p[p > 0])).sum()
+        rows.append({
+            "layer": li,
+            "usage_entropy_nats": round(float(ent), 4),
+            "usage_entropy_norm": round(float(ent / math.log(cfg.n_expert)), 4),
+            "share_below_10pct_uniform": round(float((p < 0.1 * uniform).mean()), 4),
+            "share_dead_below_1pct_uniform": round(float((p < 0.01 * uniform).mean()), 4),
+            "max_load_over_uniform": round(float(p.max() / uniform), 3),
+            "mean_first_choice_gate": round(float(st["first_gate_sum"][li] / st["tokens"]), 4),
+        })
+    return rows
+
+
+def evaluate(cfg: Config, model, work: Path, out: Path, ck) -> dict:
+    import torch
+    torch.set_num_threads(cfg.threads)
+    ids = heldout_tokens(work)
+    m16 = f16_rounded(cfg, model)
+    ppl, nll, count, st = perplexity_like_llama(cfg, m16, ids, cfg.n_ctx)
+    ppl_prefix, _, count_prefix, _ = perplexity_like_llama(cfg, m16, ids, cfg.n_ctx, n_chunks=16)
+    # unigram model of the same tokenizer, fitted on the training stream (add-one smoothing),
+    # scored on exactly the tokens llama-perplexity scores
+    stream = np.load(work / "train_tokens.npy")
+    freq = np.bincount(stream, minlength=cfg.vocab_size).astype(np.float64) + 1.0
+    logp = np.log(freq / freq.sum())
+    first = cfg.n_ctx // 2
+    n_chunk = len(ids) // cfg.n_ctx
+    scored = np.concatenate([ids[i * cfg.n_ctx + first + 1:(i + 1) * cfg.n_ctx] for i in range(n_chunk)])
+    uni_ppl = math.exp(-logp[scored].mean())
+    res = {
+        "heldout_tokens": int(len(ids)),
+        "n_ctx": cfg.n_ctx,
+        "n_chunks": int(n_chunk),
+        "scored_tokens": int(count),
+        "ppl_pytorch_f16_weights": ppl,
+        "ppl_pytorch_f16_weights_first16chunks": ppl_prefix,
+        "scored_tokens_first16chunks": int(count_prefix),
+        "unigram_ppl": uni_ppl,
+        "routing": routing_report(cfg, st),
+        "tokens_seen": ck["tokens_seen"],
+        "train_seconds": ck["train_seconds"],
+        "n_params": int(sum(p.numel() for p in model.parameters())),
+    }
+    out.with_suffix(".eval.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", default="all", choices=["tokenizer", "train", "export", "eval", "all"])
+    ap.add_argument("--work", default=str(ROOT / "build/tinymoe"))
+    ap.add_argument("--out", default=str(ROOT / "models/tinymoe-f16.gguf"))
+    ap.add_argument("--steps", type=int, default=None, help="total training steps (Config.steps)")
+    ap.add_argument("--decay-start", type=int, default=None, help="step where the lr decay starts")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds of training; picks decay_start/steps from the clock (see Config)")
+    args = ap.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    cfg = Config()
+    if args.steps is not None:
+        cfg.steps = args.steps
+    if args.decay_start is not None:
+        cfg.decay_start = args.decay_start
+    ckpt = work / out.name
+    if args.stage in ("tokenizer", "all"):
+        train_tokenizer(cfg, work)
+    if args.stage in ("train", "all"):
+        train(cfg, work, ckpt, args.time_budget)
+        (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    if args.stage in ("export", "all"):
+        cfg, model, ck = load_trained(ckpt)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export(cfg, model, work, out, ck["tokens_seen"])
+        # an all-F32 copy (not committed) for the exact export check of scripts/check_export.py
+        export(cfg, model, work, work / out.name.replace("-f16", "-f32"), ck["tokens_seen"], f32=True)
+    if args.stage in ("eval", "all"):
+        cfg, model, ck = load_trained(ckpt)
+        evaluate(cfg, model, work, ckpt, ck)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
