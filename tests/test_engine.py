@@ -328,3 +328,88 @@ def test_gpu_check_dry_run() -> None:
     assert f"-ncmoe {ncmoe}" in lines[0] and "LLAMA_MOE_CACHE" not in lines[0]
     for line in lines[1:]:
         assert f"vram={budget}M" in line and "mode=engine" in line and "-ncmoe 8" in line and "--repack 0" in line
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:moe_cache_"):
+            name, value = line.split()
+            key = name[len("llamacpp:moe_cache_"):]
+            out[key[:-len("_total")] if key.endswith("_total") else key] = float(value)
+    return out
+
+
+@pytest.mark.build
+def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path, engine_build: Build) -> None:
+    """llama-server with the engine answers concurrent requests (2 parallel slots, loopback, bounded) and reports
+    consistent cache counters on /metrics."""
+    import threading
+    import time
+    import urllib.request
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen([str(engine_build.tool("llama-server")), "-m", str(engine_models["qwen3moe"]),
+                             "--host", "127.0.0.1", "--port", str(port), "-np", "2", "-c", "1024", "-t", THREADS,
+                             "--metrics", "--moe-cache", "mode=engine,policy=quality,slots=25%,bypass=32"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.time() < deadline, "llama-server did not become healthy"
+            time.sleep(0.2)
+
+        errors: list[str] = []
+
+        def ask(i: int) -> None:
+            body = json.dumps({"prompt": f"request {i}: " + "the quick brown fox " * (1 + i * 5),
+                               "n_predict": 12, "seed": i}).encode()
+            req = urllib.request.Request(base + "/completion", data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    if r.status != 200 or "content" not in json.loads(r.read()):
+                        errors.append(f"request {i}: bad answer")
+            except OSError as e:
+                errors.append(f"request {i}: {e}")
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert proc.poll() is None
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            m = _metrics(r.read().decode())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert m, "no moe_cache counters in /metrics"
+    assert m["slots"] == N_EXPERT // 4 and m["bank_bytes"] > 0
+    assert m["calls"] == m["token_layers"] * K > 0
+    assert m["hits"] + m["misses"] == m["calls"]
+    assert m["fetches"] + m["substitutions"] + m["drops"] == m["misses"]
+    assert m["bypass_token_layers"] > 0  # the longer prompts took the prefill bypass
+    assert 0 < m["copied_experts"]
