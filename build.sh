@@ -237,4 +237,5 @@ echo "build.sh: built in $(( $(date +%s) - t_all )) s ($backend backend, pin $pi
 [ "$only" = stock ] || echo "  patched: vendor/llama.cpp-patched/build-$backend/bin/{llama-cli,llama-server,llama-perplexity,llama-bench}"
 echo "  harness: .venv/bin/harness"
 echo
-echo "next: .venv/bin/harness doctor"
+echo "next: .venv/bin/harness doctor     (what was built)"
+echo "      .venv/bin/harness compare    (stock vs the expert cache on the trained model)"
