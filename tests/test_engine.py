@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,3 +414,6 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
     assert m["fetches"] + m["substitutions"] + m["drops"] == m["misses"]
     assert m["bypass_token_layers"] > 0  # the longer prompts took the prefill bypass
     assert 0 < m["copied_experts"]
+    # decode graphs were reused (the route op runs in a reused graph and reads the cache's current state)
+    reused = [int(n) for n in re.findall(r"graphs reused =\s+(\d+)", (tmp_path / "server.log").read_text())]
+    assert reused and max(reused) > 0
