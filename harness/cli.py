@@ -182,9 +182,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from harness import rerender
 
-    r = rerender.rerender(args.results, model=args.model)
+    r = rerender.rerender(args.results, model=args.model, plots=args.plots)
     console.print(r.terminal)
     console.print(f"report: {r.report_path}")
+    for note in r.notes:
+        console.print(note, markup=False, highlight=False)
+    for path in r.plots:
+        console.print(f"plot: {path}", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -206,6 +210,8 @@ def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParse
     r = sub.add_parser("report", help="re-render the tables and report.md of a compare or sweep results folder")
     r.add_argument("results", type=Path, help="the --out folder (or its results.jsonl)")
     r.add_argument("--model", type=Path, help="the model, if it moved since the run")
+    r.add_argument("--plots", action="store_true", help="also draw a sweep's quality/speed frontier and mass "
+                   "hypothesis as PNG and SVG into DIR/plots (needs matplotlib: pip install -e '.[plot]')")
     r.set_defaults(func=_cmd_report)
 
 
@@ -374,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except HarnessError as e:
-        err_console.print(f"harness: error: {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"harness: error: {e}", highlight=False, soft_wrap=True, markup=False)
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("harness: interrupted; finished results were kept")
