@@ -300,7 +300,7 @@ def test_drop_rule(cache_models: dict[str, Path], text_file: Path, tmp_path: Pat
 @pytest.mark.build
 @pytest.mark.parametrize(("spec", "message"), [
     ("mode=emulate,colour=red", "unknown key 'colour'"),
-    ("mode=engine", "bad value 'engine' for key 'mode' (accepted: off, emulate)"),
+    ("mode=bogus", "bad value 'bogus' for key 'mode' (accepted: off, emulate, engine)"),
     ("mode=emulate,policy=fastest", "accepted: quality, speed, fetch-all"),
     ("mode=emulate,slots=4", "slots=4 is fewer than the 8 experts used per token"),
     ("mode=emulate,slots=65", "slots=65 is more than the 64 experts per layer"),

@@ -65,8 +65,10 @@ static void test_parse() {
     // errors name the key and the accepted values
     CHECK(!llama_expert_cache_config_parse("mode=emulate,colour=red", cfg, err) && err.find("'colour'") != std::string::npos &&
           err.find("slots") != std::string::npos);
-    CHECK(!llama_expert_cache_config_parse("mode=engine", cfg, err) && err.find("'mode'") != std::string::npos &&
-          err.find("off, emulate") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("mode=bogus", cfg, err) && err.find("'mode'") != std::string::npos &&
+          err.find("off, emulate, engine") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("mode=engine,policy=quality", cfg, err) &&
+          cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE);
     CHECK(!llama_expert_cache_config_parse("policy=fast", cfg, err) && err.find("quality, speed, fetch-all") != std::string::npos);
     CHECK(!llama_expert_cache_config_parse("slots=0", cfg, err) && err.find("'slots'") != std::string::npos);
     CHECK(!llama_expert_cache_config_parse("slots=120%", cfg, err) && err.find("'slots'") != std::string::npos);
