@@ -169,6 +169,11 @@ if [ "$backend" = cuda ]; then
     command -v nvcc >/dev/null || die "--cuda: nvcc not found (install the CUDA toolkit)"
     cmake_common+=(-DGGML_CUDA=ON)
     [ -n "$cuda_arch" ] && cmake_common+=(-DCMAKE_CUDA_ARCHITECTURES="$cuda_arch")
+    if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so' && ! ls /usr/local/cuda/lib64/stubs/libcuda.so >/dev/null 2>&1; then
+        # No driver library (a build-only machine): ggml's VMM memory pool links libcuda directly; build without it.
+        echo "build.sh: note: no libcuda.so (NVIDIA driver) here; building with GGML_CUDA_NO_VMM=ON"
+        cmake_common+=(-DGGML_CUDA_NO_VMM=ON)
+    fi
     if ! ls /usr/local/cuda/lib64/libcublas.so* >/dev/null 2>&1 && ! ldconfig -p 2>/dev/null | grep -q libcublas.so; then
         cublas_root=$("$py" - <<'PY'
 import importlib.util, pathlib
