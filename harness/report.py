@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from harness.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
+from harness.project import project_root
 from harness.sizes import format_bytes
 from harness.stats import DeltaPPL
 from harness.study import StudyResult
@@ -209,11 +211,21 @@ def render_sweep(result: SweepResult) -> Group:
     return Group(*parts)
 
 
+def _shown(path: object) -> str:
+    """A path as a report shows it: relative to the checkout when inside it, so reports do not name one machine."""
+    p = Path(str(path))
+    try:
+        return str(p.resolve().relative_to(project_root()))
+    except (ValueError, OSError):
+        return str(p)
+
+
 def render_sweep_markdown(result: SweepResult) -> str:
     o = result.options
     lines = ["# harness sweep", "",
-             f"Model `{o.model}`, text `{o.text}`, context {o.n_ctx}. Every policy runs in emulate mode on the same "
-             "tokens; delta PPL is paired against the full model (cache off), with a 95% CI from a block bootstrap "
+             f"Model `{_shown(o.model)}`, text `{_shown(o.text)}`, context {o.n_ctx}. Every policy runs in emulate "
+             "mode on the same tokens; delta PPL is paired against the full model (cache off), with a 95% CI from a "
+             "block bootstrap "
              f"over chunks ({o.n_boot} replicates, seed {o.seed}). `est. ms/token` is the cost model's estimate on "
              f"the `{o.profile}` profile from the counted fetches and admissions: an estimate, not a measurement. "
              "`*` marks the quality/speed Pareto frontier (lower delta, lower estimated time).", "",
@@ -234,7 +246,8 @@ def _d(d: DeltaPPL | None) -> str:
 def render_topics_markdown(result: TopicResult) -> str:
     o = result.options
     lines = ["# Admission after topic changes", "",
-             f"Text `{o.text}` with {result.n_boundaries} topic changes; policy `{o.policy}` in emulate mode, with "
+             f"Text `{_shown(o.text)}` with {result.n_boundaries} topic changes; policy `{o.policy}` in emulate mode, "
+             "with "
              f"its background admission and with `admit=off`, on the same {result.n_scored} scored tokens. "
              f"\"After a change\" = the first {o.window} tokens of each new segment ({result.n_after_change} scored "
              "tokens). Deltas are paired, with 95% CIs from a block bootstrap over chunks.", "",
@@ -252,8 +265,9 @@ def render_study_markdown(result: StudyResult) -> str:
     o = result.options
     c = result.compare
     lines = ["# The study's findings, re-tested", "",
-             f"Model `{c.options.model}`, {o.residency:.0%} of each layer's experts resident "
-             f"({c.plan.slots.slots_per_layer} of {c.plan.info.n_expert} slots per layer), text `{c.options.text}`, "
+             f"Model `{_shown(c.options.model)}`, {o.residency:.0%} of each layer's experts resident "
+             f"({c.plan.slots.slots_per_layer} of {c.plan.info.n_expert} slots per layer), "
+             f"text `{_shown(c.options.text)}`, "
              f"context {o.n_ctx}. Everything runs in the patched build's emulate mode on the same tokens; every "
              "delta is paired, with a 95% CI from a block bootstrap over chunks. Regenerate with "
              f"`{' '.join(o.argv) or 'harness study'}`.", "", "## Verdicts", ""]
