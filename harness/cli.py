@@ -60,7 +60,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from harness import compare, project, report, sizes
 
     opts = compare.CompareOptions(
-        out=args.out or project.project_root() / "results" / "compare",
+        out=args.out or project.project_root() / "results" / f"compare-{(args.model or compare.default_model()).stem}",
         model=args.model,
         vram=sizes.parse_size(args.vram) if args.vram else None,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
@@ -95,7 +95,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
     c.add_argument("--dataset", help="a named dataset instead of --text (wikitext-2: only from a local file)")
     c.add_argument("--runs", type=int, default=5, help="speed repetitions per configuration (default: %(default)s)")
-    c.add_argument("--out", type=Path, help="results folder (default: results/compare); an existing one is resumed")
+    c.add_argument("--out", type=Path,
+                   help="results folder (default: results/compare-MODEL); an existing one is resumed")
     c.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
     c.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
     c.add_argument("--n-prompt", type=int, default=512, help="llama-bench prompt tokens (default: %(default)s)")
