@@ -93,7 +93,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c.add_argument("--policies", default="quality,speed,fetch-all",
                    help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s)")
     c.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
-    c.add_argument("--dataset", help="a named dataset instead of --text (wikitext-2: only from a local file)")
+    c.add_argument("--dataset", help="wikitext-2, gsm8k or humaneval instead of --text: fetched once with the "
+                   "'datasets' package and cached; offline, pass a local file with --text")
     c.add_argument("--runs", type=int, default=5, help="speed repetitions per configuration (default: %(default)s)")
     c.add_argument("--out", type=Path,
                    help="results folder (default: results/compare-MODEL); an existing one is resumed")

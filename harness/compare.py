@@ -699,7 +699,6 @@ def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
 # ---- the command's entry point ------------------------------------------------------------------------------
 
 DEFAULT_TEXT = Path("eval/data/heldout.txt")
-DATASETS = {"wikitext-2": "wiki.test.raw from wikitext-2-raw-v1"}
 
 
 def default_model(root: Path | None = None) -> Path:
@@ -715,14 +714,13 @@ def default_model(root: Path | None = None) -> Path:
 
 
 def resolve_text(text: Path | None, dataset: str | None, root: Path | None = None) -> Path:
-    """--text FILE, or --dataset NAME (only as a local file: nothing is downloaded), or the held-out text."""
+    """--text FILE, or --dataset NAME (fetched once and cached, see harness.datasets), or the held-out text."""
     if text is not None and dataset is not None:
         raise HarnessError("pass either --text or --dataset, not both")
     if dataset is not None:
-        if dataset not in DATASETS:
-            raise HarnessError(f"unknown dataset {dataset!r}: known are {', '.join(DATASETS)}, or pass --text FILE")
-        raise HarnessError(f"{dataset} is not available offline: download the {DATASETS[dataset]} file elsewhere "
-                           "and pass it with --text FILE")
+        from harness.datasets import dataset_text
+
+        return dataset_text(dataset)
     path = text if text is not None else (root or project.project_root()) / DEFAULT_TEXT
     try:
         with path.open("rb") as f:

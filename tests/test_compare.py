@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -328,7 +329,7 @@ def test_policy_specs_follow_the_documented_keys() -> None:
         "mode=engine,slots=8,rule=substitute-all,evict=lfu,admit=off")
 
 
-def test_default_model_and_text(tmp_path: Path) -> None:
+def test_default_model_and_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(HarnessError, match="no default model.*--model"):
         default_model(tmp_path)
     (tmp_path / "models").mkdir()
@@ -340,7 +341,9 @@ def test_default_model_and_text(tmp_path: Path) -> None:
     (tmp_path / "eval" / "data").mkdir(parents=True)
     (tmp_path / "eval" / "data" / "heldout.txt").write_text("held out")
     assert resolve_text(None, None, tmp_path) == tmp_path / "eval" / "data" / "heldout.txt"
-    with pytest.raises(HarnessError, match="not available offline.*--text FILE"):
+    monkeypatch.setenv("MOE_SUBST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: the import fails
+    with pytest.raises(HarnessError, match="needs the 'datasets' package.*--text FILE"):
         resolve_text(None, "wikitext-2", tmp_path)
     with pytest.raises(HarnessError, match="unknown dataset"):
         resolve_text(None, "pile", tmp_path)
