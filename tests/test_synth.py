@@ -165,7 +165,7 @@ def test_cli_synth(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 # build smoke: the stock binaries load and run every generated architecture
 
-_TRIES = 8
+_TRIES = 12
 _PPL = re.compile(r"Final estimate: PPL = (\S+) \+/- (\S+)")
 
 
