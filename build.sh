@@ -223,6 +223,13 @@ build_tree() {  # name tree
 
 # ---- 5. the manifest the harness reads --------------------------------------------------------------
 mkdir -p "$root/build"
+# A measurement aid preloaded into the tools by the harness and the tests: it drains llama.cpp's log at exit,
+# which the stock build does not do (upstream issue 22142; see scripts/log_drain_preload.c).
+cc_bin=$(command -v cc || command -v gcc || true)
+if [ -n "$cc_bin" ]; then
+    "$cc_bin" -shared -fPIC -O2 -o "$root/build/liblogdrain.so" "$root/scripts/log_drain_preload.c" \
+        || echo "build.sh: note: could not build build/liblogdrain.so; stock runs may lose their last log lines"
+fi
 series_hash=$("$root/scripts/patches.sh" hash)
 "$py" - "$root/build/builds.json" "$backend" "$pin_id" "$pin_sha" "$series_hash" "$stock_tree/build-$backend/bin" "$patched_tree/build-$backend/bin" "$only" <<'PY'
 import json, sys, pathlib

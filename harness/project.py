@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +110,18 @@ def file_sha256(path: Path, limit: int | None = None) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()[:limit] if limit else h.hexdigest()
+
+
+def log_drain_preload(root: Path | None = None) -> Path | None:
+    """build/liblogdrain.so (built by build.sh from scripts/log_drain_preload.c), if present: preloaded into
+    the tools so that the stock build's last log lines are not lost at exit (upstream issue 22142)."""
+    path = (root or project_root()) / "build" / "liblogdrain.so"
+    return path if path.is_file() else None
+
+
+def with_log_drain(env: MutableMapping[str, str], root: Path | None = None) -> MutableMapping[str, str]:
+    """`env` with the log-drain library added to LD_PRELOAD (unchanged when it was not built)."""
+    shim = log_drain_preload(root)
+    if shim is not None and str(shim) not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(x for x in (str(shim), env.get("LD_PRELOAD", "")) if x)
+    return env

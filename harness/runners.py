@@ -32,7 +32,7 @@ from harness.parsers import (
     tail,
 )
 from harness.parsers.cache_stats import CacheStats, parse_cache_stats
-from harness.project import Build
+from harness.project import Build, with_log_drain
 
 CACHE_ENV_VAR = "LLAMA_MOE_CACHE"  # docs/expert-cache.md
 CACHE_MODES = ("off", "emulate", "engine")  # engine: part 2 of the cache, not in every patched build yet
@@ -166,6 +166,7 @@ def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None =
     full_env = dict(os.environ)
     full_env.pop(CACHE_ENV_VAR, None)  # only what the caller asks for reaches the tool
     full_env.update(env or {})
+    with_log_drain(full_env)
     t0 = time.monotonic()
     sampler = GpuMemorySampler() if sample_gpu else None
     try:

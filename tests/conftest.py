@@ -10,13 +10,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from harness.errors import HarnessError
-from harness.project import Build, read_builds
+from harness.project import Build, read_builds, with_log_drain
 from harness.synth import ARCHS, SynthSpec, synth_text, write_dense_model, write_synth_model
+
+# Every llama.cpp tool a test starts gets the log-drain library (see scripts/log_drain_preload.c): without it
+# the stock build loses its last log lines in about half of the short runs (upstream issue 22142).
+with_log_drain(os.environ)
 
 
 @pytest.fixture(scope="session")
