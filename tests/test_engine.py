@@ -231,6 +231,95 @@ def test_engine_adversarial(spec: str, ubatch: int, engine_models: dict[str, Pat
 
 
 @pytest.mark.build
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("slots", "ubatch"), [("25%", 2), ("50%", 4), ("50%", 3)])
+def test_engine_group_equals_emulate(arch: str, slots: str, ubatch: int, engine_models: dict[str, Path],
+                                     engine_text: Path, tmp_path: Path, engine_build: Build) -> None:
+    """Small multi-token ubatches (ubatch * k <= slots) compute from the banks as a group: the experts of every
+    token of the ubatch are held resident together. Emulate mode decides the same groups: identical decisions,
+    the same values."""
+    model = engine_models[arch]
+    spec = f"policy=quality,slots={slots}"
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=ubatch)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=ubatch)
+    check_ok(emu)
+    check_ok(eng)
+    assert emu.stats is not None and eng.stats is not None
+    check_consistent(eng.stats)
+    n_slots = eng.stats["config"]["slots"]
+    assert eng.stats["group_max"] == n_slots // K >= ubatch
+    same_decisions(emu.stats, eng.stats)
+    t = eng.stats["total"]
+    assert t["misses"] > 0 and t["forced_substitutions"] == 0
+    # the banks are brought to the policy's residency once per ubatch: an expert fetched and evicted again
+    # within one ubatch is never copied
+    assert 0 < eng.stats["engine"]["copied_experts"] <= t["fetches"] + t["admissions"]
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.build
+def test_engine_group_off(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                          engine_build: Build) -> None:
+    """group=1: only one-token ubatches use the banks; two-token ubatches compute with the full expert tensors."""
+    r = run_ppl(engine_build, engine_models["qwen3moe"], engine_text, tmp_path, "mode=engine,policy=quality,"
+                "slots=25%,group=1", ubatch=2)
+    check_ok(r)
+    assert r.stats is not None and r.stats["group_max"] == 1
+    bad = run_ppl(engine_build, engine_models["qwen3moe"], engine_text, tmp_path / "bad", "mode=engine,group=x",
+                  ubatch=2, nll=False, want="group")
+    assert bad.returncode != 0 and "'group'" in bad.output and "auto" in bad.output
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("spec", ["rule=substitute-all,admit=0.05", "policy=quality", "policy=speed,evict=lfu"])
+@pytest.mark.parametrize("ubatch", [1, 2])
+def test_engine_async_copies(spec: str, ubatch: int, engine_models: dict[str, Path], churn_text: Path,
+                             tmp_path: Path, engine_build: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+    """async=thread: background admissions are copied by a host thread while the token computes, each copy held
+    back 300 us (LLAMA_MOE_CACHE_TEST_COPY_DELAY_US), so a slot used before its copy completed would compute
+    with stale bytes. Decisions and values equal emulate mode's; admissions next to a slot in use are deferred
+    to the next step (the over-read rule) and counted."""
+    monkeypatch.setenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US", "300")
+    model = engine_models["qwen3moe"]
+    full = f"{spec},slots=25%"
+    emu = run_ppl(engine_build, model, churn_text, tmp_path / "emu", f"mode=emulate,{full}", ubatch=ubatch)
+    eng = run_ppl(engine_build, model, churn_text, tmp_path / "eng", f"mode=engine,async=thread,{full}",
+                  ubatch=ubatch)
+    check_ok(emu)
+    check_ok(eng)
+    assert emu.stats is not None and eng.stats is not None
+    check_consistent(eng.stats)
+    same_decisions(emu.stats, eng.stats)
+    t, e = eng.stats["total"], eng.stats["engine"]
+    assert e["async"] is True
+    assert t["admissions"] > 0
+    assert 0 <= e["deferred_experts"] <= e["background_experts"] <= t["admissions"]
+    if ubatch == 1:
+        assert e["background_experts"] == t["admissions"]
+        # every fetch and admission is one expert copied, except deferred admissions of the last tokens, which
+        # no later step completed (at most one per slot and layer)
+        pending = t["fetches"] + t["admissions"] - e["copied_experts"]
+        assert 0 <= pending <= min(e["deferred_experts"], N_LAYER * eng.stats["config"]["slots"])
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.build
+def test_engine_async_off_and_bad_value(engine_models: dict[str, Path], engine_text: Path,
+                                                     tmp_path: Path, engine_build: Build) -> None:
+    """async=off: no copier, the statistics say so; a bad async value is a clear error naming the accepted ones."""
+    r = run_ppl(engine_build, engine_models["qwen3moe"], engine_text, tmp_path, "mode=engine,async=off,"
+                "rule=substitute-all,admit=0.05,slots=25%", ubatch=1)
+    check_ok(r)
+    assert r.stats is not None and r.stats["engine"]["async"] is False
+    assert r.stats["engine"]["deferred_experts"] == 0
+    bad = run_ppl(engine_build, engine_models["qwen3moe"], engine_text, tmp_path / "bad", "mode=engine,async=gpu",
+                  ubatch=1, nll=False, want="async")
+    assert bad.returncode != 0 and "'async'" in bad.output and "thread" in bad.output
+
+
+@pytest.mark.build
 def test_engine_refuses_repacked_weights(tmp_path: Path, engine_text: Path, engine_build: Build) -> None:
     """Q4_0 expert tensors on CPU are repacked (CPU_REPACK) unless --no-repack: the engine cannot copy them slot by
     slot and says to pass --no-repack."""
@@ -400,6 +489,8 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
         assert proc.poll() is None
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             m = _metrics(r.read().decode())
+        with urllib.request.urlopen(base + "/props", timeout=10) as r:
+            props = json.loads(r.read())
     finally:
         proc.terminate()
         try:
@@ -407,12 +498,16 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+    assert props.get("moe_cache") == {"mode": "engine", "n_slots": N_EXPERT // 4, "n_expert": N_EXPERT,
+                                      "group_max": N_EXPERT // 4 // K, "bank_bytes": int(m["bank_bytes"]),
+                                      "async": False}, props.get("moe_cache")
     assert m, "no moe_cache counters in /metrics"
     assert m["slots"] == N_EXPERT // 4 and m["bank_bytes"] > 0
     assert m["calls"] == m["token_layers"] * K > 0
     assert m["hits"] + m["misses"] == m["calls"]
     assert m["fetches"] + m["substitutions"] + m["drops"] == m["misses"]
     assert m["bypass_token_layers"] > 0  # the longer prompts took the prefill bypass
+    assert m["background_experts"] <= m["copied_experts"] and m["copy_wait_seconds"] >= 0
     assert 0 < m["copied_experts"]
     # decode graphs were reused (the route op runs in a reused graph and reads the cache's current state)
     reused = [int(n) for n in re.findall(r"graphs reused =\s+(\d+)", (tmp_path / "server.log").read_text())]

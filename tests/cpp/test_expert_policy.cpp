@@ -340,6 +340,74 @@ static void test_fast_substitute() {
     }
 }
 
+// A group (a small multi-token ubatch computed from the banks together): no token of the group evicts an expert
+// that an earlier token of the group computes with; outside a group, the same sequence does.
+static void test_group() {
+    const std::vector<float> scores(6, 0.0f);
+    for (bool grouped : { false, true }) {
+        llama_expert_layer_policy p;
+        p.init(6, 3, cfg_of("rule=fetch-all,evict=lfu,halve=0,slots=3"));
+        for (int t = 0; t < 3; ++t) {
+            for (int e : { 0, 1, 2 }) {
+                step(p, { e }, { 1.0f }, scores);
+            }
+        }
+        if (grouped) {
+            p.begin_group();
+        }
+        CHECK(step(p, { 3 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_FETCH); // evicts 0 (ties: LRU)
+        CHECK(step(p, { 4 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_FETCH);
+        if (grouped) {
+            p.end_group();
+            CHECK(p.is_resident(3) && p.is_resident(4)); // 3 (used once: the LFU victim) was held
+        } else {
+            CHECK(!p.is_resident(3) && p.is_resident(4));
+        }
+        // after the group, 3 is an ordinary resident expert again
+        if (grouped) {
+            step(p, { 5 }, { 1.0f }, scores);
+            CHECK(!p.is_resident(3) || !p.is_resident(4));
+        }
+    }
+    // random groups of up to n_slots / k tokens, every rule: every expert a token of the group computes with is
+    // resident at the end of the group, so that the whole group can compute from the banks
+    std::mt19937 rng(11);
+    const int32_t E = 32, S = 8, K = 2;
+    for (const char * spec : { "rule=fetch-all", "policy=quality", "policy=speed", "rule=substitute-all,admit=0.3",
+                               "rule=threshold,tau=0.3,admit=0.1,evict=lfu" }) {
+        llama_expert_layer_policy p;
+        p.init(E, S, cfg_of(std::string(spec) + ",slots=8"));
+        std::vector<float> sc(E);
+        for (int g = 0; g < 400; ++g) {
+            const int n = 1 + (int) (rng() % (S / K));
+            std::vector<int32_t> used;
+            p.begin_group();
+            for (int t = 0; t < n; ++t) {
+                for (auto & v : sc) {
+                    v = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+                }
+                std::vector<int32_t> ids;
+                while ((int32_t) ids.size() < K) {
+                    const int32_t e = (int32_t) (rng() % E);
+                    if (std::find(ids.begin(), ids.end(), e) == ids.end()) {
+                        ids.push_back(e);
+                    }
+                }
+                auto r = step(p, ids, { 0.7f, 0.3f }, sc);
+                for (int32_t i = 0; i < K; ++i) {
+                    CHECK(r.act[i] != LLAMA_EXPERT_ACTION_DROP);
+                    used.push_back(r.out[i]);
+                }
+            }
+            p.end_group();
+            for (int32_t e : used) {
+                CHECK(p.is_resident(e));
+            }
+            CHECK(p.stats.forced_substitutions == 0);
+        }
+    }
+}
+
 int main() {
     test_parse();
     test_admission();
@@ -347,6 +415,7 @@ int main() {
     test_rules();
     test_random();
     test_fast_substitute();
+    test_group();
     if (n_fail) {
         std::fprintf(stderr, "%d checks failed\n", n_fail);
         return 1;
