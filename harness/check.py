@@ -23,7 +23,10 @@ from harness.runners import Runner
 
 SCHEMA = "moe-subst/ppl-baseline"
 SCHEMA_VERSION = 1
-FULL_PPL_RTOL = 1e-6  # the full model runs the stock graph: its PPL is reproducible on one build
+# The full model runs the stock graph: its PPL is reproducible on one build and CPU. Across CPUs the native
+# kernels differ (AVX-512 vs AVX2: other summation orders): measured 267.6401 on an Intel AVX-512 machine and
+# 267.6405 on an AMD AVX2 one (1.5e-6). A changed model or text moves it by orders of magnitude more.
+FULL_PPL_RTOL = 1e-4
 
 
 @dataclass(frozen=True)
