@@ -7,6 +7,9 @@
 #   ./build.sh --cpu               force the CPU backend
 #   ./build.sh --only stock|patched|harness
 #   ./build.sh --jobs N
+#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all five, + llama-moe-sim)
+#   ./build.sh --offline           no network: no harness install (python3 runs the helpers), no download; the
+#                                  trees must exist (./build.sh, or scripts/gpu_bundle.sh's .gpu/ unpacked)
 #
 # Idempotent: a second run with nothing changed finishes in seconds.
 set -euo pipefail
@@ -18,6 +21,8 @@ backend=auto
 cuda_arch=
 only=
 jobs=$(nproc 2>/dev/null || echo 2)
+offline=0
+want_targets=
 while [ $# -gt 0 ]; do
     case "$1" in
         --cuda) backend=cuda ;;
@@ -27,7 +32,9 @@ while [ $# -gt 0 ]; do
         --only) only=${2:?--only needs stock, patched or harness}; shift ;;
         --only=*) only=${1#*=} ;;
         --jobs|-j) jobs=${2:?--jobs needs a number}; shift ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --offline) offline=1 ;;
+        --targets) want_targets=${2:?--targets needs tool names}; shift ;;
+        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
     esac
     shift
@@ -69,13 +76,18 @@ fi
 
 # ---- 1. the harness in .venv -----------------------------------------------------------------
 venv="$root/.venv"
-if [ ! -x "$venv/bin/python" ]; then
+if [ "$offline" = 1 ]; then
+    # no network: the helpers below run with the system's python3; the harness is not installed
+    [ "$only" = harness ] && die "--offline cannot install the harness (pip needs the package index)"
+    py=python3
+    echo "build.sh: offline: the harness is not installed (run it from the checkout: PYTHONPATH=. python3 -m harness.cli)"
+elif [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv" || die "could not create .venv (on Debian: apt-get install python3-venv)"
 fi
-py="$venv/bin/python"
+[ "$offline" = 1 ] || py="$venv/bin/python"
 harness_stamp="$venv/.moe-subst-harness"
 harness_want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
-if [ "$(cat "$harness_stamp" 2>/dev/null)" != "$harness_want" ]; then
+if [ "$offline" = 0 ] && [ "$(cat "$harness_stamp" 2>/dev/null)" != "$harness_want" ]; then
     echo "build.sh: installing the harness into .venv"
     "$py" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     "$py" -m pip install -e "$root[dev]" >"$venv/pip-install.log" 2>&1 \
@@ -86,6 +98,7 @@ phase harness
 [ "$only" = harness ] && { echo "build.sh: harness ready: .venv/bin/harness"; exit 0; }
 
 if ! command -v ninja >/dev/null; then
+    [ "$offline" = 1 ] && die "ninja not found (offline: install it, or pip install ninja where there is network)"
     [ -x "$venv/bin/ninja" ] || "$py" -m pip install --quiet ninja || die "ninja not found and pip could not install it"
     export PATH="$venv/bin:$PATH"
 fi
@@ -95,10 +108,17 @@ cache=${MOE_SUBST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/moe-subst}
 sdist="$cache/llama_cpp_python-$pin_version.tar.gz"
 mkdir -p "$cache"
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
-if [ -f "$sdist" ] && [ "$(sha_of "$sdist")" != "$pin_sha" ]; then
+stock_tree="$root/vendor/llama.cpp"
+patched_tree="$root/vendor/llama.cpp-patched"
+need_sdist=0
+[ "$(cat "$stock_tree/.moe-subst-pin" 2>/dev/null)" = "$pin_id $pin_sha" ] || need_sdist=1
+if [ "$need_sdist" = 1 ] && [ -f "$sdist" ] && [ "$(sha_of "$sdist")" != "$pin_sha" ]; then
     die "the cached $sdist does not match the pinned sha256 ($pin_sha): delete it and run again"
 fi
-if [ ! -f "$sdist" ]; then
+if [ "$need_sdist" = 1 ] && [ ! -f "$sdist" ] && [ "$offline" = 1 ]; then
+    die "--offline: no vendor/llama.cpp of the pin and no cached $sdist (unpack scripts/gpu_bundle.sh's .gpu/trees.tar.xz, or copy the sdist there)"
+fi
+if [ "$need_sdist" = 1 ] && [ ! -f "$sdist" ]; then
     echo "build.sh: downloading llama-cpp-python==$pin_version (source distribution, ~77 MB) from the package index"
     tmp=$(mktemp -d)
     if ! "$py" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
@@ -122,8 +142,6 @@ fi
 phase fetch
 
 # ---- 3. the two trees ---------------------------------------------------------------------------
-stock_tree="$root/vendor/llama.cpp"
-patched_tree="$root/vendor/llama.cpp-patched"
 if [ "$(cat "$stock_tree/.moe-subst-pin" 2>/dev/null)" != "$pin_id $pin_sha" ]; then
     echo "build.sh: unpacking llama.cpp from $pin_id into vendor/llama.cpp"
     rm -rf "$stock_tree" "$stock_tree.tmp"
@@ -137,13 +155,24 @@ if [ "$(cat "$stock_tree/.moe-subst-pin" 2>/dev/null)" != "$pin_id $pin_sha" ]; 
     mv "$stock_tree.tmp" "$stock_tree"
 fi
 if [ "$only" != stock ]; then
-    "$root/scripts/patches.sh" apply || die "the patch series could not be applied (see above)"
+    if [ ! -d "$patched_tree/.git" ] && [ -f "$patched_tree/.moe-subst-bundle" ]; then
+        # a tree unpacked from scripts/gpu_bundle.sh's bundle: the series was applied where it was made
+        [ "$(cat "$patched_tree/.moe-subst-bundle")" = "$pin_id $pin_sha $("$root/scripts/patches.sh" hash)" ] \
+            || die "vendor/llama.cpp-patched comes from a bundle of another patch series: make the bundle again (scripts/gpu_bundle.sh)"
+        echo "build.sh: vendor/llama.cpp-patched from a bundle of the current series"
+    else
+        "$root/scripts/patches.sh" apply || die "the patch series could not be applied (see above)"
+    fi
 fi
 phase trees
 
 # ---- 4. configure + build -----------------------------------------------------------------------
 targets=(llama llama-cli llama-server llama-perplexity llama-bench)
 patched_targets=(llama-moe-sim)  # tools that only the patched tree has (patches/)
+if [ -n "$want_targets" ]; then
+    read -r -a targets <<<"$want_targets"
+    patched_targets=()
+fi
 cmake_common=(
     -G Ninja
     -DCMAKE_BUILD_TYPE=Release
@@ -185,6 +214,7 @@ if spec and spec.submodule_search_locations:
 PY
 )
         if [ -z "$cublas_root" ]; then
+            [ "$offline" = 1 ] && die "--offline: cuBLAS not found (no libcublas in the CUDA toolkit nor an nvidia-cublas package for $py)"
             echo "build.sh: cuBLAS not found on the system; installing the nvidia-cublas wheel into .venv"
             "$py" -m pip install --quiet nvidia-cublas || die "could not install nvidia-cublas (cuBLAS is needed for --cuda)"
             cublas_root=$("$py" -c 'import importlib.util,pathlib;b=importlib.util.find_spec("nvidia").submodule_search_locations[0];print(next(pathlib.Path(b).glob("cu*/lib/libcublas.so*")).parent.parent)') \

@@ -424,6 +424,43 @@ def _encode(data: npt.NDArray[np.float32], qtype: int) -> npt.NDArray[np.generic
     return encoded
 
 
+def _workers(plan: list[_Tensor]) -> int:
+    """Tensors encoded at once: up to the CPU count, as many as memory holds (~6x a tensor's float32 bytes each,
+    for the values and the quantizer's temporaries), 1 for small models."""
+    import os
+
+    import psutil
+
+    largest = max((int(np.prod(t.shape, dtype=np.int64)) * 4 for t in plan), default=0)
+    if largest < (64 << 20):
+        return 1
+    by_memory = int(psutil.virtual_memory().available // (6 * largest))
+    return max(1, min(os.cpu_count() or 1, by_memory, 8))
+
+
+def _encoded_in_order(plan: list[_Tensor], qtypes: list[int], seed: int) -> Iterator[npt.NDArray[np.generic]]:
+    """The plan's tensors, encoded, in order. Each tensor's values depend only on the seed and its name, so the
+    bytes are the same for any number of workers; large models encode several tensors at once (numpy releases
+    the GIL in the generator and the quantizer), with a bounded window."""
+    n = _workers(plan)
+    if n == 1:
+        for t, qt in zip(plan, qtypes, strict=True):
+            yield _encode(_values(t, seed), qt)
+        return
+    from collections import deque
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        window: deque[Future[npt.NDArray[np.generic]]] = deque()
+        jobs = iter(zip(plan, qtypes, strict=True))
+        for t, qt in jobs:
+            window.append(pool.submit(lambda t=t, qt=qt: _encode(_values(t, seed), qt)))
+            if len(window) >= n:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
 # --------------------------------------------------------------------------------------------------
 # writing
 
@@ -465,8 +502,8 @@ def _write(path: Path, arch: str, name: str, dtype: _DType, seed: int, plan: lis
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for t, qt in zip(plan, qtypes, strict=True):
-            writer.write_tensor_data(_encode(_values(t, seed), qt))
+        for data in _encoded_in_order(plan, qtypes, seed):
+            writer.write_tensor_data(data)
         writer.close()
     except BaseException:
         writer.close()

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # GPU check of the expert cache engine (issue 4, item 8), for a machine with one NVIDIA GPU.
 #
-#   scripts/gpu_check.sh [--dry-run] [--layers N] [--dtype q4_0|q8_0] [--budget-pct P] [--reps R]
+#   scripts/gpu_check.sh [--dry-run] [--offline] [--layers N] [--dtype q4_0|q8_0] [--budget-pct P] [--reps R]
 #                        [--cuda-arch A] [--out DIR]
 #
-# 1. builds (or reuses) the CUDA builds: ./build.sh --cuda --cuda-arch A (default 90, an H100/H200);
-#    MOE_SUBST_PATCHED_BIN=/path/to/bin uses another patched build instead (e.g. a branch's clone);
+# 1. builds (or reuses) the CUDA builds of llama-bench: ./build.sh --cuda --cuda-arch A (default 90, an
+#    H100/H200) --targets llama-bench; MOE_SUBST_PATCHED_BIN=/path/to/bin uses another patched build instead.
+#    --offline (automatic when .gpu/trees.tar.xz exists and there is no .venv: the lent GPU machine, which
+#    has no network): the trees come from the bundle that scripts/gpu_bundle.sh made (carry .gpu), the build
+#    runs with ./build.sh --offline, and the harness runs from the checkout with the machine's python3
+#    (numpy) and the pinned tree's gguf-py;
 # 2. generates a synthetic MoE with the study's expert shape: 512 experts per layer of 2048x512 (n_embd 2048,
 #    expert FFN 512), top-10, --layers N layers (default 4), --dtype q4_0 (the gguf package cannot write Q4_K);
 # 3. a VRAM budget that holds the non-expert weights plus about --budget-pct (default 25) percent of the experts
@@ -23,6 +27,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dry=0
+offline=0
 layers=4
 dtype=q4_0
 budget_pct=25
@@ -32,13 +37,14 @@ out="$root/build/gpu-check"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry=1 ;;
+        --offline) offline=1 ;;
         --layers) layers=${2:?}; shift ;;
         --dtype) dtype=${2:?}; shift ;;
         --budget-pct) budget_pct=${2:?}; shift ;;
         --reps) reps=${2:?}; shift ;;
         --cuda-arch) cuda_arch=${2:?}; shift ;;
         --out) out=${2:?}; shift ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: error: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -71,8 +77,18 @@ gpu_layers_fit=$(((budget - other_bytes - reserve) / layer_expert_bytes))
 ncmoe=$((layers - gpu_layers_fit))
 
 model="$out/synth-e${n_expert}k${top_k}-L${layers}-${dtype}.gguf"
-py="$root/.venv/bin/python"
-harness="$root/.venv/bin/harness"
+if [ "$offline" = 0 ] && [ -f "$root/.gpu/trees.tar.xz" ] && [ ! -x "$root/.venv/bin/python" ]; then
+    offline=1
+fi
+if [ "$offline" = 1 ]; then
+    py=python3
+    harness=(env "PYTHONPATH=$root:$root/vendor/llama.cpp/gguf-py" python3 -m harness)
+    build_offline=(--offline)
+else
+    py="$root/.venv/bin/python"
+    harness=("$root/.venv/bin/harness")
+    build_offline=()
+fi
 
 run() {  # print, and run unless --dry-run
     echo "+ $*"
@@ -90,7 +106,11 @@ if [ "$dry" = 0 ]; then
     command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 \
         || { echo "gpu_check.sh: error: no NVIDIA GPU (nvidia-smi -L failed); use --dry-run to see the plan" >&2; exit 1; }
 fi
-run "$root/build.sh" --cuda --cuda-arch "$cuda_arch" --jobs "$(nproc 2>/dev/null || echo 4)"
+if [ ! -d "$root/vendor/llama.cpp" ] && [ -f "$root/.gpu/trees.tar.xz" ]; then
+    run tar -C "$root" -xJf "$root/.gpu/trees.tar.xz"
+fi
+run "$root/build.sh" "${build_offline[@]}" --cuda --cuda-arch "$cuda_arch" --targets llama-bench \
+    --jobs "$(nproc 2>/dev/null || echo 4)"
 stock_bin="$root/vendor/llama.cpp/build-cuda/bin"
 patched_bin="${MOE_SUBST_PATCHED_BIN:-$root/vendor/llama.cpp-patched/build-cuda/bin}"
 echo "gpu_check: build done after $(( $(date +%s) - t0 )) s (stock $stock_bin, patched $patched_bin)"
@@ -98,7 +118,7 @@ echo "gpu_check: build done after $(( $(date +%s) - t0 )) s (stock $stock_bin, p
 # ---- 2. model
 mkdir -p "$out"
 if [ ! -f "$model" ]; then
-    run "$harness" synth -o "$model" --arch qwen3moe --layers "$layers" --experts "$n_expert" --top-k "$top_k" \
+    run "${harness[@]}" synth -o "$model" --arch qwen3moe --layers "$layers" --experts "$n_expert" --top-k "$top_k" \
         --embd "$n_embd" --ff "$n_ff" --heads 16 --kv-heads 4 --vocab 32000 --dtype "$dtype" --seed 1
 fi
 echo "gpu_check: model ready after $(( $(date +%s) - t0 )) s"
@@ -160,7 +180,7 @@ PY
 }
 
 status=0
-common=(-ngl 99 -p 512 -n 64 -fa on)
+common=(-ngl 99 -p 512 -n 64 -fa on -lm none)  # -lm none: expert tensors in pinned host memory (no mmap)
 if [ "$dry" = 0 ]; then
     exec > >(tee "$summary") 2>&1
 fi

@@ -39,6 +39,18 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
         assert len(a) == len(c) and a != c
 
 
+@pytest.mark.parametrize("workers", [2, 5])
+def test_parallel_encoding_writes_the_same_bytes(tmp_path: Path, workers: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large models encode several tensors at once (scripts/gpu_check.sh's model): the bytes do not depend on it."""
+    import harness.synth as synth
+
+    spec = SynthSpec(arch="qwen2moe", seed=3, dtype="q4_0")
+    serial = write_synth_model(spec, tmp_path / "serial.gguf").read_bytes()
+    monkeypatch.setattr(synth, "_workers", lambda plan: workers)
+    assert write_synth_model(spec, tmp_path / "parallel.gguf").read_bytes() == serial
+
+
 @pytest.mark.parametrize("dtype", WRITABLE)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
