@@ -453,8 +453,11 @@ def _encoded_in_order(plan: list[_Tensor], qtypes: list[int], seed: int) -> Iter
     with ThreadPoolExecutor(max_workers=n) as pool:
         window: deque[Future[npt.NDArray[np.generic]]] = deque()
         jobs = iter(zip(plan, qtypes, strict=True))
+        def encode(t: _Tensor, qt: int) -> npt.NDArray[np.generic]:
+            return _encode(_values(t, seed), qt)
+
         for t, qt in jobs:
-            window.append(pool.submit(lambda t=t, qt=qt: _encode(_values(t, seed), qt)))
+            window.append(pool.submit(encode, t, qt))
             if len(window) >= n:
                 yield window.popleft().result()
         while window:
