@@ -8,6 +8,8 @@
 #   ./build.sh --only stock|patched|harness
 #   ./build.sh --jobs N
 #   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all five, + llama-moe-sim)
+#   ./build.sh --share-ggml        build ggml once (in the patched tree) and link the stock tree to it: the
+#                                  patches do not touch ggml/ (checked), so this halves a CUDA build
 #   ./build.sh --offline           no network: no harness install (python3 runs the helpers), no download; the
 #                                  trees must exist (./build.sh, or scripts/gpu_bundle.sh's .gpu/ unpacked)
 #
@@ -22,6 +24,7 @@ cuda_arch=
 only=
 jobs=$(nproc 2>/dev/null || echo 2)
 offline=0
+share_ggml=0
 want_targets=
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -33,8 +36,9 @@ while [ $# -gt 0 ]; do
         --only=*) only=${1#*=} ;;
         --jobs|-j) jobs=${2:?--jobs needs a number}; shift ;;
         --offline) offline=1 ;;
+        --share-ggml) share_ggml=1 ;;
         --targets) want_targets=${2:?--targets needs tool names}; shift ;;
-        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
     esac
     shift
@@ -231,13 +235,16 @@ PY
     fi
 fi
 
-build_tree() {  # name tree
+build_tree() {  # name tree [extra cmake args]
     local name=$1 tree=$2 dir="$2/build-$backend" args_stamp want
-    want=$(printf '%s\n' "${cmake_common[@]}" | sha256sum | cut -c1-16)
+    shift 2
+    local args=("${cmake_common[@]}" "$@")
+    want=$(printf '%s\n' "${args[@]}" | sha256sum | cut -c1-16)
     args_stamp="$dir/.moe-subst-cmake-args"
     if [ ! -f "$dir/build.ninja" ] || [ "$(cat "$args_stamp" 2>/dev/null)" != "$want" ]; then
         echo "build.sh: configuring $name ($backend)"
-        cmake -S "$tree" -B "$dir" "${cmake_common[@]}" >"$dir.configure.log" 2>&1 \
+        rm -f "$dir/CMakeCache.txt"
+        cmake -S "$tree" -B "$dir" "${args[@]}" >"$dir.configure.log" 2>&1 \
             || { tail -n 30 "$dir.configure.log" >&2; die "cmake could not configure the $name tree (log: $dir.configure.log)"; }
         echo "$want" >"$args_stamp"
     fi
@@ -248,8 +255,24 @@ build_tree() {  # name tree
         || { grep -E 'error|Error' "$dir.build.log" | head -n 20 >&2; tail -n 20 "$dir.build.log" >&2; die "the $name build failed (log: $dir.build.log)"; }
     phase "build $name"
 }
-[ "$only" = patched ] || build_tree stock "$stock_tree"
-[ "$only" = stock ] || build_tree patched "$patched_tree"
+if [ "$share_ggml" = 1 ] && [ -z "$only" ]; then
+    # one ggml for both trees: built in the patched tree, installed next to its build, found by the stock tree
+    diff -rq "$stock_tree/ggml" "$patched_tree/ggml" >/dev/null \
+        || die "--share-ggml: vendor/llama.cpp-patched/ggml differs from the stock tree's; build without --share-ggml"
+    # the installed libggml finds its backends next to it, and cuBLAS where the build found it
+    build_tree patched "$patched_tree" "-DCMAKE_INSTALL_RPATH=\$ORIGIN${cublas_root:+;$cublas_root/lib}"
+    ggml_prefix="$patched_tree/build-$backend/ggml-install"
+    cmake --install "$patched_tree/build-$backend/ggml" --prefix "$ggml_prefix" >"$patched_tree/build-$backend.ggml-install.log" 2>&1 \
+        || die "--share-ggml: could not install ggml from the patched build (log: $patched_tree/build-$backend.ggml-install.log)"
+    ggml_config=$(find "$ggml_prefix" -name ggml-config.cmake | head -n 1)
+    ggml_lib=$(dirname "$(find "$ggml_prefix" -name 'libggml.so*' | head -n 1)")
+    [ -n "$ggml_config" ] && [ -d "$ggml_lib" ] || die "--share-ggml: the ggml install in $ggml_prefix has no ggml-config.cmake or libggml.so"
+    build_tree stock "$stock_tree" -DLLAMA_USE_SYSTEM_GGML=ON -Dggml_DIR="$(dirname "$ggml_config")" \
+        -DCMAKE_BUILD_RPATH="$ggml_lib${cublas_root:+;$cublas_root/lib}"
+else
+    [ "$only" = patched ] || build_tree stock "$stock_tree"
+    [ "$only" = stock ] || build_tree patched "$patched_tree"
+fi
 
 # ---- 5. the manifest the harness reads --------------------------------------------------------------
 mkdir -p "$root/build"
@@ -275,9 +298,12 @@ path.write_text(json.dumps(data, indent=2) + "\n")
 PY
 echo
 echo "build.sh: built in $(( $(date +%s) - t_all )) s ($backend backend, pin $pin_id, patch series $series_hash):"
-[ "$only" = patched ] || echo "  stock:   vendor/llama.cpp/build-$backend/bin/{llama-cli,llama-server,llama-perplexity,llama-bench}"
-[ "$only" = stock ] || echo "  patched: vendor/llama.cpp-patched/build-$backend/bin/{llama-cli,llama-server,llama-perplexity,llama-bench}"
-echo "  harness: .venv/bin/harness"
-echo
-echo "next: .venv/bin/harness doctor     (what was built)"
-echo "      .venv/bin/harness compare    (stock vs the expert cache on the trained model)"
+tools=$(printf '%s,' "${targets[@]}" | sed 's/^llama,//; s/,$//')
+[ "$only" = patched ] || echo "  stock:   vendor/llama.cpp/build-$backend/bin/{$tools}"
+[ "$only" = stock ] || echo "  patched: vendor/llama.cpp-patched/build-$backend/bin/{$tools}"
+if [ "$offline" = 0 ]; then
+    echo "  harness: .venv/bin/harness"
+    echo
+    echo "next: .venv/bin/harness doctor     (what was built)"
+    echo "      .venv/bin/harness compare    (stock vs the expert cache on the trained model)"
+fi

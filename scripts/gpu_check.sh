@@ -5,7 +5,7 @@
 #                        [--cuda-arch A] [--out DIR]
 #
 # 1. builds (or reuses) the CUDA builds of llama-bench: ./build.sh --cuda --cuda-arch A (default 90, an
-#    H100/H200) --targets llama-bench; MOE_SUBST_PATCHED_BIN=/path/to/bin uses another patched build instead.
+#    H100/H200) --targets llama-bench --share-ggml (one ggml for both trees); MOE_SUBST_PATCHED_BIN=/path/to/bin uses another patched build instead.
 #    --offline (automatic when .gpu/trees.tar.xz exists and there is no .venv: the lent GPU machine, which
 #    has no network): the trees come from the bundle that scripts/gpu_bundle.sh made (carry .gpu), the build
 #    runs with ./build.sh --offline, and the harness runs from the checkout with the machine's python3
@@ -109,7 +109,9 @@ fi
 if [ ! -d "$root/vendor/llama.cpp" ] && [ -f "$root/.gpu/trees.tar.xz" ]; then
     run tar -C "$root" -xJf "$root/.gpu/trees.tar.xz"
 fi
-run "$root/build.sh" "${build_offline[@]}" --cuda --cuda-arch "$cuda_arch" --targets llama-bench \
+# --share-ggml: ggml (nearly all of a CUDA build: ~67 CPU-minutes for one architecture) is compiled once, in
+# the patched tree, and the stock tree links to it; the patches do not touch ggml/ (build.sh checks)
+run "$root/build.sh" "${build_offline[@]}" --cuda --cuda-arch "$cuda_arch" --targets llama-bench --share-ggml \
     --jobs "$(nproc 2>/dev/null || echo 4)"
 stock_bin="$root/vendor/llama.cpp/build-cuda/bin"
 patched_bin="${MOE_SUBST_PATCHED_BIN:-$root/vendor/llama.cpp-patched/build-cuda/bin}"

@@ -419,7 +419,7 @@ def test_gpu_check_dry_run() -> None:
     for line in lines[1:]:
         assert f"vram={budget}M" in line and "mode=engine" in line and "-ncmoe 8" in line and "--repack 0" in line
     assert all("-lm none" in line for line in lines)  # experts in pinned memory (no mmap), for every run
-    assert "--targets llama-bench" in out and "--offline" not in out
+    assert "--targets llama-bench --share-ggml" in out and "--offline" not in out
     # the lent GPU machine has no network: the bundle's trees, build.sh --offline, the harness from the checkout
     res = subprocess.run(["bash", str(script), "--dry-run", "--offline"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

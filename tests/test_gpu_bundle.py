@@ -1,7 +1,7 @@
 """The GPU machine's path, as far as a CPU allows: it has no network, so scripts/gpu_bundle.sh packs the two trees
 (.gpu/trees.tar.xz, carried there), scripts/gpu_check.sh unpacks them into a checkout without vendor/ and builds
-with ./build.sh --offline (no pip, no download), and the harness runs from the checkout with the pinned tree's
-gguf-py instead of an installed gguf package.
+with ./build.sh --offline --share-ggml (no pip, no download; ggml compiled once), and the harness runs from the
+checkout with the pinned tree's gguf-py instead of an installed gguf package.
 
 Here: bundle, unpack into a fresh copy of the checkout, build llama-bench offline (CPU backend; ccache makes it
 quick), run both builds on a generated model, and generate that model with gguf taken from the bundle's gguf-py.
@@ -60,9 +60,15 @@ def test_bundle_builds_offline_and_runs(tmp_path: Path, stock_build: Build, patc
     # helpers run with this interpreter; --offline must neither create .venv nor download anything
     env = {**os.environ, "MOE_SUBST_CACHE": str(tmp_path / "no-cache")}
     res = subprocess.run(["bash", str(work / "build.sh"), "--offline", "--cpu", "--targets", "llama-bench",
-                          "--jobs", "2"], capture_output=True, text=True, timeout=1800, env=env, cwd=work)
+                          "--share-ggml", "--jobs", "2"], capture_output=True, text=True, timeout=1800, env=env,
+                         cwd=work)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "from a bundle of the current series" in res.stdout
+    # --share-ggml: the stock tools run on the ggml built once in the patched tree (its ggml/ is the stock one)
+    ldd = subprocess.run(["ldd", str(work / "vendor" / "llama.cpp" / "build-cpu" / "bin" / "llama-bench")],
+                         capture_output=True, text=True, timeout=60).stdout
+    ggml_libs = [line for line in ldd.splitlines() if "libggml" in line]
+    assert ggml_libs and all("llama.cpp-patched/build-cpu/ggml-install/" in line for line in ggml_libs), ldd
     assert not (work / ".venv").exists()
     assert not (tmp_path / "no-cache" / "llama_cpp_python-0.3.36.tar.gz").exists()
 
