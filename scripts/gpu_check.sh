@@ -137,7 +137,7 @@ fi
 bench() {  # name, env spec (or -), llama-bench args...
     local name=$1 spec=$2 bin=$3
     shift 3
-    local cmd=("$bin/llama-bench" -m "$model" -r "$reps" -o jsonl --repack 0 "$@")
+    local cmd=("$bin/llama-bench" -m "$model" -r "$reps" -o jsonl --repack 0 -v "$@")  # -v: errors reach the log
     if [ "$dry" = 1 ]; then
         if [ "$spec" = - ]; then
             echo "+ [$name] ${cmd[*]}"
@@ -176,7 +176,12 @@ for r in rows:
     flag = "" if int(peak) <= int(budget) else "  OVER BUDGET"
     print(f"{name:<16} {test:<6} {m:9.2f} t/s +/- {ci:7.2f} (95% CI, n={len(ts)})   peak VRAM {int(peak):7d} MiB{flag}")
 if int(rc) != 0 or not rows:
-    print(f"{name:<16} FAILED (exit {rc}); see {path[:-6]}.log")
+    log = path[:-6] + ".log"
+    try:
+        why = [l.strip() for l in open(log, errors="replace") if "error" in l.lower() or "too small" in l][-2:]
+    except OSError:
+        why = []
+    print(f"{name:<16} FAILED (exit {rc}); see {log}" + "".join(f"\n    {w[:400]}" for w in why))
 PY
     return "$rc"
 }
