@@ -85,10 +85,10 @@ if [ "$offline" = 1 ]; then
     [ "$only" = harness ] && die "--offline cannot install the harness (pip needs the package index)"
     py=python3
     echo "build.sh: offline: the harness is not installed (run it from the checkout: PYTHONPATH=. python3 -m harness.cli)"
-elif [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv" || die "could not create .venv (on Debian: apt-get install python3-venv)"
+else
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "could not create .venv (on Debian: apt-get install python3-venv)"
+    py="$venv/bin/python"
 fi
-[ "$offline" = 1 ] || py="$venv/bin/python"
 harness_stamp="$venv/.moe-subst-harness"
 harness_want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ "$offline" = 0 ] && [ "$(cat "$harness_stamp" 2>/dev/null)" != "$harness_want" ]; then
@@ -146,7 +146,7 @@ fi
 phase fetch
 
 # ---- 3. the two trees ---------------------------------------------------------------------------
-if [ "$(cat "$stock_tree/.moe-subst-pin" 2>/dev/null)" != "$pin_id $pin_sha" ]; then
+if [ "$need_sdist" = 1 ]; then
     echo "build.sh: unpacking llama.cpp from $pin_id into vendor/llama.cpp"
     rm -rf "$stock_tree" "$stock_tree.tmp"
     mkdir -p "$stock_tree.tmp"

@@ -442,21 +442,20 @@ def _encoded_in_order(plan: list[_Tensor], qtypes: list[int], seed: int) -> Iter
     """The plan's tensors, encoded, in order. Each tensor's values depend only on the seed and its name, so the
     bytes are the same for any number of workers; large models encode several tensors at once (numpy releases
     the GIL in the generator and the quantizer), with a bounded window."""
+    def encode(t: _Tensor, qt: int) -> npt.NDArray[np.generic]:
+        return _encode(_values(t, seed), qt)
+
     n = _workers(plan)
     if n == 1:
         for t, qt in zip(plan, qtypes, strict=True):
-            yield _encode(_values(t, seed), qt)
+            yield encode(t, qt)
         return
     from collections import deque
     from concurrent.futures import Future, ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=n) as pool:
         window: deque[Future[npt.NDArray[np.generic]]] = deque()
-        jobs = iter(zip(plan, qtypes, strict=True))
-        def encode(t: _Tensor, qt: int) -> npt.NDArray[np.generic]:
-            return _encode(_values(t, seed), qt)
-
-        for t, qt in jobs:
+        for t, qt in zip(plan, qtypes, strict=True):
             window.append(pool.submit(encode, t, qt))
             if len(window) >= n:
                 yield window.popleft().result()
