@@ -239,6 +239,8 @@ build_tree() {  # name tree [extra cmake args]
     local name=$1 tree=$2 dir="$2/build-$backend" args_stamp want
     shift 2
     local args=("${cmake_common[@]}" "$@")
+    # the patched tree compiles moe-subst's own C++ (src/) into its targets (src/moe-subst.cmake)
+    [ "$name" = patched ] && args+=(-DMOE_SUBST_SOURCE_DIR="$root/src")
     want=$(printf '%s\n' "${args[@]}" | sha256sum | cut -c1-16)
     args_stamp="$dir/.moe-subst-cmake-args"
     if [ ! -f "$dir/build.ninja" ] || [ "$(cat "$args_stamp" 2>/dev/null)" != "$want" ]; then

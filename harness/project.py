@@ -59,10 +59,13 @@ def patch_series(root: Path | None = None) -> list[Path]:
 
 
 def patch_series_hash(root: Path | None = None) -> str:
-    """The same hash scripts/patches.sh prints: sha256 of the concatenated series, 16 hex digits."""
+    """The same hash scripts/patches.sh prints: sha256 of the concatenated series and then of our C++ sources
+    (src/, every file in byte order of its path), 16 hex digits: what the patched tree's code is made of."""
     files = patch_series(root)
     if not files:
         return "none"
+    src = (root or project_root()) / "src"
+    files += sorted((p for p in src.rglob("*") if p.is_file()), key=str)
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())

@@ -26,12 +26,20 @@ say() { echo "patches: $*"; }
 
 series() { find "$root/patches" -maxdepth 1 -name '*.patch' | LC_ALL=C sort; }
 
-series_hash() {
+patches_hash() {  # the patches alone: what vendor/llama.cpp-patched was made from (its stamp)
     local files
     files=$(series)
     if [ -z "$files" ]; then echo "none"; return; fi
     # shellcheck disable=SC2086
     cat $files | sha256sum | cut -c1-16
+}
+
+series_hash() {  # the patches and our C++ (src/), which together make the patched build's code (provenance)
+    local files
+    files=$(series)
+    if [ -z "$files" ]; then echo "none"; return; fi
+    # shellcheck disable=SC2046
+    cat $files $(find "$root/src" -type f | LC_ALL=C sort) | sha256sum | cut -c1-16
 }
 
 need_pristine() {
@@ -57,7 +65,7 @@ cmd_apply() {
     [ "${1:-}" = "--force" ] && force=1
     need_pristine
     local want
-    want="$(cat "$pristine/.moe-subst-pin" 2>/dev/null || echo unknown) $(series_hash)"
+    want="$(cat "$pristine/.moe-subst-pin" 2>/dev/null || echo unknown) $(patches_hash)"
     if [ -d "$patched/.git" ]; then
         if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$want" ] \
             && [ "$(git -C "$patched" rev-parse HEAD)" = "$(sed -n 2p "$stamp")" ] \
@@ -121,7 +129,7 @@ cmd_export() {
     find "$root/patches" -maxdepth 1 -name '*.patch' -delete
     cp "$tmp"/*.patch "$root/patches/" 2>/dev/null || true
     rm -rf "$tmp"
-    printf '%s\n%s\n' "$(cat "$pristine/.moe-subst-pin" 2>/dev/null || echo unknown) $(series_hash)" \
+    printf '%s\n%s\n' "$(cat "$pristine/.moe-subst-pin" 2>/dev/null || echo unknown) $(patches_hash)" \
         "$(git -C "$patched" rev-parse HEAD)" >"$stamp"
     say "exported $(series | wc -l) patches to patches/ (series hash $(series_hash))"
 }

@@ -71,3 +71,33 @@ def test_no_llama_cpp_file_is_tracked() -> None:
     tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "vendor"], capture_output=True, text=True,
                              check=True).stdout.split()
     assert tracked in ([], ["vendor/README.md"])
+
+
+def _added_upstream_lines() -> dict[str, int]:
+    added: dict[str, int] = {}
+    for p in project.patch_series():
+        path = None
+        for line in p.read_text().splitlines():
+            if line.startswith("diff --git "):
+                path = line.split()[3][2:]
+            elif line.startswith("new file mode"):
+                raise AssertionError(f"{p.name} creates {path}: our files belong in src/, not in a patch")
+            elif path and line.startswith("+") and not line.startswith("+++"):
+                added[path] = added.get(path, 0) + 1
+    return added
+
+
+def test_series_is_call_sites_only() -> None:
+    """Our C++ lives in src/; the patches add at most 200 lines to upstream files, and no file."""
+    added = _added_upstream_lines()
+    total = sum(added.values())
+    assert added and total <= 200, f"{total} upstream lines added: {sorted(added.items(), key=lambda kv: -kv[1])}"
+    assert "src/llama-graph.cpp" in added and added["src/llama-graph.cpp"] <= 10, added
+
+
+def test_our_cmake_names_every_source() -> None:
+    """Every .cpp of src/ is compiled by src/moe-subst.cmake (or is a header-only or test file)."""
+    cmake = (ROOT / "src" / "moe-subst.cmake").read_text()
+    for cpp in sorted((ROOT / "src").rglob("*.cpp")):
+        rel = cpp.relative_to(ROOT / "src").as_posix()
+        assert "${MOE_SUBST_SRC}/" + rel in cmake, f"src/{rel} is not in src/moe-subst.cmake"

@@ -2,7 +2,9 @@
 
 Schema `moe-subst/expert-cache-stats`, `schema_version` 1, as docs/expert-cache.md defines it: counters
 for all MoE layers together under "total" (and per layer under "layers", kept in `raw`). Written by
-`llama_expert_cache::write_stats` (src/llama-expert-cache.cpp of the patched tree).
+`llama_expert_cache::write_stats` (src/llama/llama-expert-cache.cpp), whose counters come from one table
+(src/include/llama-expert-counters.h): the parser requires every counter of it (tests/test_stats_schema.py
+keeps POLICY_COUNTERS and ENGINE_COUNTERS equal to that table).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from harness.parsers.base import ParseError
 
 SCHEMA = "moe-subst/expert-cache-stats"
 SCHEMA_VERSION = 1
+# the counter table of src/include/llama-expert-counters.h, in its order
+POLICY_COUNTERS = ("calls", "hits", "misses", "fetches", "substitutions", "drops", "admissions", "evictions",
+                   "subst_first_choice", "forced_substitutions", "token_layers", "token_layers_with_subst")
+ENGINE_COUNTERS = ("copied_experts", "copies", "copy_bytes", "copy_ns", "background_experts", "deferred_experts",
+                   "wait_ns")
 _RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rate")
 _COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens")
 
@@ -70,6 +77,13 @@ def parse_cache_stats(text: str) -> CacheStats:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ParseError(f"the cache counter total.{k} is {v!r}", text, source="the expert cache")
         counts[k] = v
+    for where, obj, keys in (("total", total, POLICY_COUNTERS), ("engine", doc.get("engine"), ENGINE_COUNTERS)):
+        if obj is None and where == "engine":
+            continue  # emulate mode has no engine object
+        missing = [k for k in keys if not isinstance(obj, dict) or not isinstance(obj.get(k), int) or obj[k] < 0]
+        if missing:
+            raise ParseError(f"the cache statistics' {where} object lacks the counters {', '.join(missing)} "
+                             "(a build older or newer than this harness?)", text, source="the expert cache")
     config = doc.get("config")
     policy = str(config.get("policy", "")) if isinstance(config, dict) else ""
     return CacheStats(rates["substitution_rate"], rates["substituted_mass"], rates["fetches_per_token"], text,

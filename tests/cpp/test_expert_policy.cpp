@@ -1,5 +1,5 @@
-// Unit tests of the moe-subst expert residency policy (src/llama-expert-policy.cpp of the patched tree).
-// Built and run by tests/test_expert_policy.py:  c++ -std=c++17 -O1 -I<tree>/src this.cpp <tree>/src/llama-expert-policy.cpp
+// Unit tests of the moe-subst expert residency policy (src/llama/llama-expert-policy.cpp).
+// Built and run by tests/test_expert_cache.py:  c++ -std=c++17 -O1 -Isrc/llama -Isrc/include this.cpp src/llama/llama-expert-policy.cpp
 #include "llama-expert-policy.h"
 
 #include <algorithm>

@@ -1,0 +1,41 @@
+#pragma once
+
+// moe-subst: no includes, so that the policy can be compiled alone (tests, llama-moe-sim).
+
+// The expert cache's counters, in one table. Each X(field, metric, help) is a uint64_t counter; metric is
+// the name on llama-server's /metrics (llamacpp:moe_cache_<metric>_total; a metric named *_seconds is the
+// field in ns, shown in seconds). The table generates the statistics structs and their sums, the statistics
+// JSON (stats=PATH), llama_expert_cache_counters and the /metrics rows; harness/parsers/cache_stats.py checks
+// the JSON against it (tests/test_stats_schema.py reads this table).
+//
+// decisions of the residency policy (llama_expert_policy_stats), per MoE layer and summed over layers
+#define LLAMA_EXPERT_POLICY_COUNTERS(X) \
+    X(calls,                   calls,                   "selected expert calls") \
+    X(hits,                    hits,                    "calls served by a resident expert") \
+    X(misses,                  misses,                  "calls whose expert was not resident") \
+    X(fetches,                 fetches,                 "misses fetched synchronously") \
+    X(substitutions,           substitutions,           "misses computed by a resident substitute") \
+    X(drops,                   drops,                   "misses dropped") \
+    X(admissions,              admissions,              "background admissions") \
+    X(evictions,               evictions,               "experts evicted") \
+    X(subst_first_choice,      subst_first_choice,      "substitutions of a first choice (rank 0)") \
+    X(forced_substitutions,    forced_substitutions,    "substitutions forced because every slot was in use by the token") \
+    X(token_layers,            token_layers,            "token-layers decided") \
+    X(token_layers_with_subst, token_layers_with_subst, "token-layers with at least one substitution")
+
+// mode=engine: the copies into the cache banks (llama_expert_engine_stats), summed over layers
+#define LLAMA_EXPERT_ENGINE_COUNTERS(X) \
+    X(copied_experts,     copied_experts,     "experts copied into cache slots (all banks of an expert count once)") \
+    X(copies,             copies,             "copy calls (one per run of consecutive slots and bank)") \
+    X(copy_bytes,         copy_bytes,         "bytes copied into cache slots") \
+    X(copy_ns,            copy_seconds,       "host time copying into cache slots") \
+    X(background_experts, background_experts, "experts copied as background admissions") \
+    X(deferred_experts,   deferred_experts,   "background admissions deferred to the next step (next to a slot in use)") \
+    X(wait_ns,            copy_wait_seconds,  "host time waiting for background copies")
+
+// the route step (all modes)
+#define LLAMA_EXPERT_ROUTE_COUNTERS(X) \
+    X(bypass_token_layers, bypass_token_layers, "token-layers of the prefill bypass (stock routing)") \
+    X(route_ns,            route_seconds,       "host time of the route step")
+
+#define LLAMA_EXPERT_COUNTER_FIELD(field, metric, help) uint64_t field;

@@ -1,0 +1,771 @@
+#include "llama-expert-cache.h"
+
+#include "llama-adapter.h"
+#include "llama-context.h"
+#include "llama-graph.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+//
+// construction
+//
+
+std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory) {
+    const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
+    if (spec == nullptr || spec[0] == '\0') {
+        return nullptr;
+    }
+    llama_expert_cache_config cfg;
+    std::string err;
+    if (!llama_expert_cache_config_parse(spec, cfg, err)) {
+        throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + err);
+    }
+    if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF) {
+        return nullptr;
+    }
+    std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
+    if (memory) {
+        ctx_mem = memory->memory_breakdown();
+    }
+    return std::make_unique<llama_expert_cache>(cfg, model, ctx_mem);
+}
+
+llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, const llama_model & model,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_) {
+    const auto & hparams = model.hparams;
+    const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
+
+    n_layer  = (int32_t) std::max<size_t>(hparams.n_layer(), model.layers.size()); // including MTP/nextn layers
+    n_expert = (int32_t) hparams.n_expert;
+    n_used   = (int32_t) hparams.n_expert_used_max();
+
+    if (n_expert <= 0 || n_used <= 0) {
+        throw std::runtime_error(prefix + "mode=" + llama_expert_cache_mode_name(cfg.mode) +
+            " needs a Mixture-of-Experts model, and this model (" + llm_arch_name(model.arch) + ") has no routed experts");
+    }
+    if (model.arch == LLM_ARCH_GROVEMOE) {
+        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer; the expert cache does not support it");
+    }
+
+    n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
+    if (cfg.vram > 0) {
+        std::vector<bool> moe(n_layer);
+        for (int32_t il = 0; il < n_layer; ++il) {
+            moe[il] = il < (int32_t) model.layers.size() &&
+                (model.layers[il].ffn_down_exps != nullptr || model.layers[il].ffn_gate_up_exps != nullptr);
+        }
+        n_slots = llama_expert_engine_slots_for_budget(model, moe, n_expert, n_used, cfg.vram, cfg.vram_reserve,
+            ctx_mem, prefix);
+    }
+    if (n_slots > n_expert) {
+        throw std::runtime_error(prefix + "slots=" + std::to_string(n_slots) + " is more than the " +
+            std::to_string(n_expert) + " experts per layer");
+    }
+    if (n_slots < n_used) {
+        throw std::runtime_error(prefix + "slots=" + std::to_string(n_slots) + " is fewer than the " +
+            std::to_string(n_used) + " experts used per token; give at least " + std::to_string(n_used));
+    }
+
+    // small multi-token ubatches computed from the banks together: their experts (at most group*k) must fit
+    group_max = cfg.group < 0 ? n_slots / n_used : std::min(cfg.group, n_slots / n_used);
+    if (cfg.bypass > 0) {
+        group_max = std::min<int32_t>(group_max, (int32_t) cfg.bypass - 1);
+    }
+    group_max = std::max<int32_t>(group_max, 1);
+
+    std::vector<std::vector<uint64_t>> profile;
+    if (!cfg.profile.empty()) {
+        std::string err;
+        if (!llama_expert_profile_read(cfg.profile, profile, err)) {
+            throw std::runtime_error(prefix + err);
+        }
+    }
+
+    int32_t n_moe = 0;
+    layers.resize(n_layer);
+    for (int32_t il = 0; il < n_layer; ++il) {
+        auto L = std::make_unique<llama_expert_cache_layer>();
+        L->cache = this;
+        L->il    = il;
+        L->moe   = il < (int32_t) model.layers.size() &&
+            (model.layers[il].ffn_down_exps != nullptr || model.layers[il].ffn_gate_up_exps != nullptr);
+        L->policy.init(n_expert, n_slots, cfg);
+        if (L->moe && !profile.empty()) {
+            if (il >= (int32_t) profile.size() || (int32_t) profile[il].size() != n_expert) {
+                throw std::runtime_error(prefix + "profile '" + cfg.profile + "' has no counts for layer " +
+                    std::to_string(il) + " with " + std::to_string(n_expert) + " experts");
+            }
+            L->policy.set_initial(&profile[il]);
+        }
+        n_moe += L->moe;
+        layers[il] = std::move(L);
+    }
+
+    if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
+        std::vector<bool> moe(n_layer);
+        for (int32_t il = 0; il < n_layer; ++il) {
+            moe[il] = layers[il]->moe;
+        }
+        engine = std::make_unique<llama_expert_engine>(model, moe, n_expert, n_slots, cfg.async, prefix.c_str());
+        // initial fill: the policy's initial residency
+        for (int32_t il = 0; il < n_layer; ++il) {
+            if (layers[il]->moe) {
+                engine->sync(il, layers[il]->policy);
+                engine->layers[il].stats_init = engine->layers[il].stats;
+            }
+        }
+        engine->reset_stats();
+    }
+
+    trace_top = std::min<uint32_t>(cfg.trace_top, (uint32_t) n_expert);
+    if (!cfg.trace.empty()) {
+        trace_open();
+    }
+
+    LLAMA_LOG_INFO("%s: mode = %s, policy = %s (rule = %s, tau = %.3f, evict = %s, admit = %s, beta = %.3f, lfu halving every %u tokens)\n",
+        __func__, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), llama_expert_miss_rule_name(cfg.rule),
+        cfg.tau, llama_expert_evict_name(cfg.evict), cfg.admit ? "on" : "off", cfg.beta, cfg.lfu_halve);
+    LLAMA_LOG_INFO("%s: %d of %d experts resident per layer (%.1f%%), %d used per token, %d MoE layers%s%s\n",
+        __func__, n_slots, n_expert, 100.0 * n_slots / n_expert, n_used, n_moe,
+        cfg.profile.empty() ? "" : ", initial residency from ", cfg.profile.c_str());
+    if (group_max > 1) {
+        LLAMA_LOG_INFO("%s: ubatches of 2 to %d tokens are decided as a group (their experts held resident together)%s\n",
+            __func__, group_max, engine ? " and computed from the cache banks" : "");
+    }
+}
+
+llama_expert_cache::~llama_expert_cache() {
+    print_stats();
+    if (!cfg.stats.empty()) {
+        if (write_stats(cfg.stats)) {
+            LLAMA_LOG_INFO("%s: statistics written to %s\n", __func__, cfg.stats.c_str());
+        } else {
+            LLAMA_LOG_ERROR("%s: could not write statistics to %s\n", __func__, cfg.stats.c_str());
+        }
+    }
+    if (!cfg.profile_out.empty()) {
+        std::vector<const llama_expert_layer_policy *> ps;
+        std::vector<int32_t> ids;
+        for (const auto & L : layers) {
+            if (L->moe) {
+                ps.push_back(&L->policy);
+                ids.push_back(L->il);
+            }
+        }
+        if (!llama_expert_profile_write(cfg.profile_out, ps, ids)) {
+            LLAMA_LOG_ERROR("%s: could not write the profile %s\n", __func__, cfg.profile_out.c_str());
+        }
+    }
+    if (trace) {
+        fclose(trace);
+        trace = nullptr;
+    }
+}
+
+void llama_expert_cache::reset() {
+    if (engine) {
+        // no copy in flight or deferred past this point
+        for (auto & L : layers) {
+            if (L->moe) {
+                engine->complete(L->il, L->policy);
+            }
+        }
+    }
+    for (auto & L : layers) {
+        L->policy.reset();
+        L->route_ns      = 0;
+        L->route_tokens  = 0;
+        L->bypass_tokens = 0;
+    }
+    if (engine) {
+        // back to the initial residency in the banks too; these copies do not count
+        for (auto & L : layers) {
+            if (L->moe) {
+                engine->sync(L->il, L->policy);
+            }
+        }
+        engine->reset_stats();
+    }
+    if (trace) {
+        fclose(trace);
+        trace = nullptr;
+        trace_open();
+    }
+}
+
+//
+// router trace, see docs/expert-cache.md
+//
+
+// header: 64 bytes, little-endian
+//   char     magic[8]  = "MOETRACE"
+//   uint32   version, header_size (64), n_layer, n_expert, k, top_m, record_size, n_slots
+//   uint32   reserved[6] = 0
+// record (record_size bytes), one per token and MoE layer, in the order decided:
+//   uint32   layer, token (index within the layer since the start, or the last reset)
+//   int32    ids[k]        selected experts, rank order
+//   float32  weights[k]    normalised gate weights
+//   int32    used[k]       expert computed with (= ids[r] unless substituted)
+//   uint8    action[k]     0 hit, 1 fetch, 2 substitute, 3 drop; padded with zeros to a multiple of 4
+//   int32    top_ids[top_m]    the top_m experts by router score, descending
+//   float32  top_score[top_m]  their router scores (probability, plus the selection bias if the model has one)
+
+void llama_expert_cache::trace_open() {
+    trace = fopen(cfg.trace.c_str(), "wb");
+    if (!trace) {
+        throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + ": cannot open the trace file '" + cfg.trace + "'");
+    }
+    const uint32_t k = (uint32_t) n_used;
+    trace_rsize = 8 + 12*k + ((k + 3) & ~3u) + 8*trace_top;
+    uint32_t hdr[14] = {
+        LLAMA_EXPERT_TRACE_VERSION, 64, (uint32_t) n_layer, (uint32_t) n_expert, k, trace_top, trace_rsize,
+        (uint32_t) n_slots, 0, 0, 0, 0, 0, 0,
+    };
+    fwrite("MOETRACE", 1, 8, trace);
+    fwrite(hdr, sizeof(hdr), 1, trace);
+}
+
+void llama_expert_cache::trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
+                                     const int32_t * out, const uint8_t * act, const float * scores) {
+    const int32_t k = n_used;
+    uint32_t head[2] = { (uint32_t) L.il, token };
+    fwrite(head, sizeof(head), 1, trace);
+    fwrite(ids, sizeof(int32_t), k, trace);
+    fwrite(w,   sizeof(float),   k, trace);
+    fwrite(out, sizeof(int32_t), k, trace);
+    uint8_t a[4*((LLAMA_MAX_EXPERTS + 3)/4)] = {};
+    memcpy(a, act, k);
+    fwrite(a, 1, (k + 3) & ~3, trace);
+
+    if (trace_top > 0) {
+        auto & top = const_cast<llama_expert_cache_layer &>(L).top;
+        top.resize(n_expert);
+        for (int32_t e = 0; e < n_expert; ++e) {
+            top[e] = e;
+        }
+        std::partial_sort(top.begin(), top.begin() + trace_top, top.end(), [scores](int32_t a, int32_t b) {
+            return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+        });
+        fwrite(top.data(), sizeof(int32_t), trace_top, trace);
+        for (uint32_t i = 0; i < trace_top; ++i) {
+            const float s = scores[top[i]];
+            fwrite(&s, sizeof(float), 1, trace);
+        }
+    }
+}
+
+//
+// the route step
+//
+
+// The route step, in three parts: gating (the gate weights and the router's ranking, recomputed on the host),
+// policy (llama_expert_layer_policy::decide, token by token), engine (copies and slot ids; mode=engine only).
+
+// Gating of one token: the normalised gate weights of its k selected experts (L.w) and the router's scores of
+// all experts (returned: their order ranks substitutes). Recomputed from the router logits, as build_moe_ffn
+// computes them, because reading the graph's probabilities would break the CUDA topk-moe fusion.
+static const float * route_gate(llama_expert_cache_layer & L, const int32_t * id, const float * lg, const float * bias,
+        int32_t k, int32_t E, bool need_probs) {
+    float * w = L.w.data();
+    // router probabilities of all experts, when needed
+    if (need_probs) {
+        float * p = L.probs.data();
+        switch (L.gating) {
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT:
+                {
+                    float m = -INFINITY;
+                    for (int32_t e = 0; e < E; ++e) { m = std::max(m, lg[e]); }
+                    double sum = 0.0;
+                    for (int32_t e = 0; e < E; ++e) { p[e] = expf(lg[e] - m); sum += p[e]; }
+                    const float inv = (float) (1.0 / sum);
+                    for (int32_t e = 0; e < E; ++e) { p[e] *= inv; }
+                } break;
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:
+                for (int32_t e = 0; e < E; ++e) { p[e] = 1.0f / (1.0f + expf(-lg[e])); }
+                break;
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
+                for (int32_t e = 0; e < E; ++e) { p[e] = sqrtf(lg[e] > 20.0f ? lg[e] : log1pf(expf(lg[e]))); }
+                break;
+            default:
+                GGML_ABORT("expert cache: unsupported gating function %d", (int) L.gating);
+        }
+    }
+
+    // normalised gate weights of the selected experts
+    switch (L.gating) {
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
+            if (L.norm_w) {
+                float m = -INFINITY;
+                for (int32_t r = 0; r < k; ++r) { m = std::max(m, lg[id[r]]); }
+                for (int32_t r = 0; r < k; ++r) { w[r] = expf(lg[id[r]] - m); }
+            } else {
+                for (int32_t r = 0; r < k; ++r) { w[r] = L.probs[id[r]]; }
+            }
+            break;
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT:
+            {
+                float m = -INFINITY;
+                for (int32_t r = 0; r < k; ++r) { m = std::max(m, lg[id[r]]); }
+                for (int32_t r = 0; r < k; ++r) { w[r] = expf(lg[id[r]] - m); }
+            } break;
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:
+            for (int32_t r = 0; r < k; ++r) { w[r] = 1.0f / (1.0f + expf(-lg[id[r]])); }
+            break;
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
+            for (int32_t r = 0; r < k; ++r) { const float x = lg[id[r]]; w[r] = sqrtf(x > 20.0f ? x : log1pf(expf(x))); }
+            break;
+        default:
+            GGML_ABORT("expert cache: unsupported gating function %d", (int) L.gating);
+    }
+    const bool normalise = L.norm_w || L.gating == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT;
+    if (normalise) {
+        float sum = 0.0f;
+        for (int32_t r = 0; r < k; ++r) { sum += w[r]; }
+        sum = std::max(sum, 6.103515625e-5f);
+        for (int32_t r = 0; r < k; ++r) { w[r] /= sum; }
+    }
+
+    // router scores: the order in which the router ranks experts
+    const float * scores = lg; // softmax, sigmoid and sqrt-softplus are monotonic in the logit
+    if (bias) {
+        for (int32_t e = 0; e < E; ++e) { L.scores[e] = L.probs[e] + bias[e]; }
+        scores = L.scores.data();
+    }
+    return scores;
+}
+
+// Engine part of a step: the copies of the ubatch's fetches and admissions, then expert ids -> slot ids in dst
+// (banked: one token or a group, computed from the banks); a larger ubatch computes with the full expert
+// tensors and the banks only follow the residency.
+static void route_engine(llama_expert_cache_layer & L, ggml_tensor * dst, int32_t k, int64_t T, bool banked) {
+    auto & cache = *L.cache;
+    if (banked) {
+        // engine, decode or a group: copy the ubatch's fetches and admissions, then expert ids -> slot ids
+        L.fetched.clear();
+        for (int64_t t = 0; t < T; ++t) {
+            const int32_t * out = (const int32_t *) ((const char *) dst->data + t*dst->nb[1]);
+            const uint8_t * act = L.actions.data() + t*k;
+            for (int32_t r = 0; r < k; ++r) {
+                if (act[r] != LLAMA_EXPERT_ACTION_DROP) {
+                    L.fetched.push_back(out[r]);
+                }
+            }
+        }
+        cache.engine->sync(L.il, L.policy, L.fetched.data(), (int32_t) L.fetched.size());
+        for (int64_t t = 0; t < T; ++t) {
+            int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
+            const uint8_t * act = L.actions.data() + t*k;
+            for (int32_t r = 0; r < k; ++r) {
+                out[r] = act[r] == LLAMA_EXPERT_ACTION_DROP
+                    ? cache.n_slots // the spare slot (zeros); the gate weight is 0
+                    : cache.engine->slot_for(L.il, L.policy, out[r]);
+            }
+        }
+    } else {
+        // engine, larger ubatch: computed with the full expert tensors; the banks follow the residency
+        cache.engine->sync(L.il, L.policy);
+    }
+}
+
+static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto & L     = *(llama_expert_cache_layer *) userdata;
+    auto & cache = *L.cache;
+
+    const auto t_start = std::chrono::steady_clock::now();
+
+    const ggml_tensor * ids    = dst->src[0];
+    const ggml_tensor * logits = dst->src[1];
+    const ggml_tensor * bias   = dst->src[2];
+
+    const int32_t k   = (int32_t) ids->ne[0];
+    const int64_t T   = ids->ne[1];
+    const int32_t E   = (int32_t) logits->ne[0];
+
+    GGML_ASSERT(k <= cache.n_used && (cache.trace == nullptr || k == cache.n_used));
+    GGML_ASSERT(E == cache.n_expert);
+
+    const bool banked = cache.banked(dst);
+
+    if (cache.engine) {
+        // the background copies issued at this layer's previous step have completed (GPU: wait on their event)
+        cache.engine->complete(L.il, L.policy);
+    }
+
+    if (cache.cfg.bypass > 0 && T >= (int64_t) cache.cfg.bypass) {
+        // prefill bypass: stock routing with the full expert tensors, then warm the residency
+        L.warm_counts.assign(E, 0);
+        L.actions.assign((size_t) T * k, LLAMA_EXPERT_ACTION_HIT);
+        for (int64_t t = 0; t < T; ++t) {
+            const int32_t * id  = (const int32_t *) ((const char *) ids->data + t*ids->nb[1]);
+            int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
+            for (int32_t r = 0; r < k; ++r) {
+                GGML_ASSERT(id[r] >= 0 && id[r] < E);
+                out[r] = id[r];
+                L.warm_counts[id[r]]++;
+            }
+        }
+        llama_expert_policy_warm(L.policy, L.warm_counts);
+        if (cache.engine) {
+            cache.engine->sync(L.il, L.policy);
+        }
+        L.bypass_tokens += (uint64_t) T;
+        L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
+        return;
+    }
+
+    const bool need_probs = bias != nullptr || cache.trace != nullptr ||
+        (L.gating == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !L.norm_w);
+
+    // a small multi-token ubatch is decided as a group: every expert one of its tokens computes with stays
+    // resident until the end of the ubatch (in engine mode the ubatch computes from the banks)
+    const bool group = cache.grouped(T);
+    if (group) {
+        L.policy.begin_group();
+    }
+
+    L.actions.resize((size_t) T * k);
+    L.w.resize(k);
+    if (need_probs) {
+        L.probs.resize(E);
+        if (bias) {
+            L.scores.resize(E);
+        }
+    }
+
+    for (int64_t t = 0; t < T; ++t) {
+        const int32_t * id = (const int32_t *) ((const char *) ids->data    + t*ids->nb[1]);
+        const float   * lg = (const float   *) ((const char *) logits->data + t*logits->nb[1]);
+        int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
+        uint8_t       * act = L.actions.data() + t*k;
+        float         * w   = L.w.data();
+
+        for (int32_t r = 0; r < k; ++r) {
+            GGML_ASSERT(id[r] >= 0 && id[r] < E);
+        }
+
+        const float * scores = route_gate(L, id, lg, bias ? (const float *) bias->data : nullptr, k, E, need_probs);
+
+        L.policy.decide(id, w, k, scores, out, act);
+
+        if (cache.trace) {
+            cache.trace_write(L, (uint32_t) (L.policy.tick - 1), id, w, out, act, bias ? scores : L.probs.data());
+        }
+
+    }
+
+    if (group) {
+        L.policy.end_group();
+    }
+
+    if (cache.engine) {
+        route_engine(L, dst, k, T, banked);
+    }
+
+    L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
+    L.route_tokens += (uint64_t) T;
+}
+
+static void llama_expert_cache_keep(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto & L = *(const llama_expert_cache_layer *) userdata;
+    const int64_t n = ggml_nelements(dst);
+    GGML_ASSERT((int64_t) L.actions.size() == n);
+    float * keep = (float *) dst->data;
+    for (int64_t i = 0; i < n; ++i) {
+        keep[i] = L.actions[i] == LLAMA_EXPERT_ACTION_DROP ? 0.0f : 1.0f;
+    }
+}
+
+ggml_tensor * llama_expert_cache::build_route(
+        ggml_context * ctx,
+        ggml_tensor  * ids,
+        ggml_tensor  * logits,
+        ggml_tensor  * exp_probs_b,
+        llama_expert_gating_func_type gating,
+        bool           norm_w,
+        bool           warmup,
+        int            il,
+        ggml_tensor ** keep) {
+    *keep = nullptr;
+
+    if (warmup || ids->ne[0] > n_slots || ids->ne[1] == 0) {
+        return ids; // warmup (k = n_expert): stock routing, no statistics
+    }
+    if (il < 0 || il >= n_layer || !layers[il]->moe) {
+        throw std::runtime_error(format("expert cache: build_moe_ffn called for layer %d, which has no routed experts", il));
+    }
+    if (ids->type != GGML_TYPE_I32 || ids->nb[0] != sizeof(int32_t) || ids->ne[2] != 1 || ids->ne[3] != 1) {
+        throw std::runtime_error("expert cache: unexpected layout of the selected experts tensor");
+    }
+    if (logits == nullptr || logits->type != GGML_TYPE_F32 || logits->nb[0] != sizeof(float) || logits->ne[0] != n_expert ||
+            logits->ne[1] != ids->ne[1]) {
+        throw std::runtime_error("expert cache: the router logits are not an F32 [n_expert, n_tokens] tensor");
+    }
+    if (exp_probs_b && (exp_probs_b->type != GGML_TYPE_F32 || ggml_nelements(exp_probs_b) != n_expert || !ggml_is_contiguous(exp_probs_b))) {
+        throw std::runtime_error("expert cache: unsupported expert selection bias tensor");
+    }
+    switch (gating) {
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT:
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
+            break;
+        default:
+            throw std::runtime_error(format("expert cache: unsupported gating function %d", (int) gating));
+    }
+
+    auto & L = *layers[il];
+    L.gating = gating;
+    L.norm_w = norm_w;
+
+    ggml_tensor * args[3] = { ids, logits, exp_probs_b };
+    ggml_tensor * route = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1,
+            args, exp_probs_b ? 3 : 2, llama_expert_cache_route, 1, &L);
+    ggml_format_name(route, "moe_cache_route-%d", il);
+
+    if (cfg.rule == LLAMA_EXPERT_MISS_DROP) {
+        ggml_tensor * kargs[1] = { route };
+        *keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, ids->ne[0], ids->ne[1], 1,
+                kargs, 1, llama_expert_cache_keep, 1, &L);
+        ggml_format_name(*keep, "moe_cache_keep-%d", il);
+    }
+    return route;
+}
+
+void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits,
+        ggml_tensor * exp_probs_b, llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected,
+        ggml_tensor *& weights, std::initializer_list<ggml_tensor **> expert_tensors) {
+    ggml_tensor * keep  = nullptr;
+    ggml_tensor * route = build_route(g.ctx0, selected, logits, exp_probs_b, gating, norm_w, g.cparams.warmup, il, &keep);
+    if (route == selected) {
+        return;
+    }
+    // the route step runs on the host
+    if (g.backend_cpu) {
+        ggml_backend_sched_set_tensor_backend(g.sched, route, g.backend_cpu);
+    }
+    ggml_build_forward_expand(g.gf, route);
+    selected = route;
+    if (banked(route)) {
+        // engine: the route step outputs slot ids into the cache banks
+        if (g.loras) {
+            for (const auto & lora : *g.loras) {
+                for (ggml_tensor ** t : expert_tensors) {
+                    if (*t && lora.first->get_weight(*t)) {
+                        throw std::runtime_error("expert cache: mode=engine does not support LoRA adapters on routed experts");
+                    }
+                }
+            }
+        }
+        for (ggml_tensor ** t : expert_tensors) {
+            *t = bank(il, *t);
+        }
+    }
+    if (keep) {
+        if (g.backend_cpu) {
+            ggml_backend_sched_set_tensor_backend(g.sched, keep, g.backend_cpu);
+        }
+        weights = ggml_mul(g.ctx0, weights, keep);
+        g.cb(weights, "ffn_moe_weights_kept", il);
+    }
+}
+
+void llama_expert_cache::memory_breakdown_add(llama_memory_breakdown & ret) const {
+    if (!engine) {
+        return;
+    }
+    for (const auto & [buft, size] : engine->memory_breakdown()) {
+        ret[buft].context += size;
+    }
+}
+
+bool llama_expert_cache::grouped(int64_t n_tokens) const {
+    return n_tokens > 1 && n_tokens <= group_max;
+}
+
+bool llama_expert_cache::banked(const ggml_tensor * route) const {
+    return engine != nullptr && (route->ne[1] == 1 || grouped(route->ne[1]));
+}
+
+ggml_tensor * llama_expert_cache::bank(int il, ggml_tensor * src) const {
+    GGML_ASSERT(engine);
+    return engine->bank(il, src);
+}
+
+//
+// statistics
+//
+
+llama_expert_policy_stats llama_expert_cache::total() const {
+    llama_expert_policy_stats t;
+    for (const auto & L : layers) {
+        if (L->moe) {
+            t.add(L->policy.stats);
+        }
+    }
+    return t;
+}
+
+static double ratio(uint64_t a, uint64_t b) {
+    return b ? (double) a / (double) b : 0.0;
+}
+
+void llama_expert_cache::print_stats() const {
+    const auto t = total();
+    uint64_t route_ns = 0, route_tokens = 0;
+    for (const auto & L : layers) {
+        route_ns     += L->route_ns;
+        route_tokens += L->route_tokens;
+    }
+    LLAMA_LOG_INFO("%s: expert cache (%s, policy %s, %d/%d slots): %llu token-layers, %llu calls: "
+        "hits %.2f%%, misses %.2f%%, fetches %llu, substitutions %llu (%.2f%%, %llu first choices, max weight %.3f), "
+        "drops %llu, admissions %llu, evictions %llu, mean substituted mass %.4f, route step %.3f us per token-layer\n",
+        __func__, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), n_slots, n_expert,
+        (unsigned long long) t.token_layers, (unsigned long long) t.calls,
+        100.0 * ratio(t.hits, t.calls), 100.0 * ratio(t.misses, t.calls), (unsigned long long) t.fetches,
+        (unsigned long long) t.substitutions, 100.0 * ratio(t.substitutions, t.calls), (unsigned long long) t.subst_first_choice,
+        t.max_subst_weight, (unsigned long long) t.drops, (unsigned long long) t.admissions, (unsigned long long) t.evictions,
+        t.token_layers ? t.subst_mass_sum / t.token_layers : 0.0, route_tokens ? 1e-3 * route_ns / route_tokens : 0.0);
+    if (engine) {
+        const auto e = engine->total();
+        LLAMA_LOG_INFO("%s: expert cache engine: banks %.2f MiB, %llu experts copied (%.2f MiB in %llu copies, %.3f ms), "
+            "%llu in the background (%s, %llu deferred, %.3f ms waited)\n",
+            __func__, engine->total_size()/1024.0/1024.0, (unsigned long long) e.copied_experts,
+            e.copy_bytes/1024.0/1024.0, (unsigned long long) e.copies, 1e-6 * e.copy_ns,
+            (unsigned long long) e.background_experts, engine->async() ? "async" : "synchronous",
+            (unsigned long long) e.deferred_experts, 1e-6 * e.wait_ns);
+    }
+}
+
+// n_tokens: tokens decided (for a total: the most token_layers of any MoE layer)
+static void write_stats_obj(FILE * f, const llama_expert_policy_stats & s, uint64_t n_tokens, const char * indent) {
+#define LLAMA_EXPERT_COUNTER_JSON(field, metric, help) \
+    fprintf(f, "%s\"" #field "\": %llu,\n", indent, (unsigned long long) s.field);
+    LLAMA_EXPERT_POLICY_COUNTERS(LLAMA_EXPERT_COUNTER_JSON)
+#undef LLAMA_EXPERT_COUNTER_JSON
+    fprintf(f, "%s\"max_subst_weight\": %.9g,\n", indent, s.max_subst_weight);
+    fprintf(f, "%s\"subst_mass_sum\": %.17g,\n", indent, s.subst_mass_sum);
+    fprintf(f, "%s\"tokens\": %llu,\n", indent, (unsigned long long) n_tokens);
+    fprintf(f, "%s\"substituted_mass\": %.17g,\n", indent, s.token_layers ? s.subst_mass_sum / s.token_layers : 0.0);
+    fprintf(f, "%s\"fetches_per_token\": %.17g,\n", indent, ratio(s.fetches, n_tokens));
+    fprintf(f, "%s\"drop_mass_sum\": %.17g,\n", indent, s.drop_mass_sum);
+    fprintf(f, "%s\"hit_rate\": %.17g,\n", indent, ratio(s.hits, s.calls));
+    fprintf(f, "%s\"miss_rate\": %.17g,\n", indent, ratio(s.misses, s.calls));
+    fprintf(f, "%s\"substitution_rate\": %.17g,\n", indent, ratio(s.substitutions, s.calls));
+    fprintf(f, "%s\"mass_hist\": [", indent);
+    for (int i = 0; i < LLAMA_EXPERT_MASS_HIST_BINS; ++i) {
+        fprintf(f, "%s%llu", i ? ", " : "", (unsigned long long) s.mass_hist[i]);
+    }
+    fprintf(f, "]\n");
+}
+
+static std::string json_str(const std::string & s) {
+    std::string o = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') {
+            o += '\\'; o += c;
+        } else if ((unsigned char) c < 0x20) {
+            char buf[8];
+            snprintf(buf, sizeof(buf), "\\u%04x", c);
+            o += buf;
+        } else {
+            o += c;
+        }
+    }
+    return o + "\"";
+}
+
+bool llama_expert_cache::write_stats(const std::string & path) const {
+    FILE * f = fopen(path.c_str(), "w");
+    if (!f) {
+        return false;
+    }
+    fprintf(f, "{\n");
+    fprintf(f, "  \"schema\": \"moe-subst/expert-cache-stats\",\n");
+    fprintf(f, "  \"schema_version\": %d,\n", LLAMA_EXPERT_STATS_SCHEMA_VERSION);
+    fprintf(f, "  \"config\": {\n");
+    fprintf(f, "    \"spec\": %s,\n", json_str(cfg.spec).c_str());
+    fprintf(f, "    \"mode\": \"%s\",\n", llama_expert_cache_mode_name(cfg.mode));
+    fprintf(f, "    \"policy\": \"%s\",\n", cfg.preset.c_str());
+    fprintf(f, "    \"rule\": \"%s\",\n", llama_expert_miss_rule_name(cfg.rule));
+    fprintf(f, "    \"tau\": %.9g,\n", cfg.tau);
+    fprintf(f, "    \"evict\": \"%s\",\n", llama_expert_evict_name(cfg.evict));
+    fprintf(f, "    \"admit\": %s,\n", cfg.admit ? "true" : "false");
+    fprintf(f, "    \"beta\": %.9g,\n", cfg.beta);
+    fprintf(f, "    \"lfu_halve\": %u,\n", cfg.lfu_halve);
+    fprintf(f, "    \"slots\": %d,\n", n_slots);
+    fprintf(f, "    \"n_expert\": %d,\n", n_expert);
+    fprintf(f, "    \"n_expert_used\": %d,\n", n_used);
+    fprintf(f, "    \"profile\": %s\n", json_str(cfg.profile).c_str());
+    fprintf(f, "  },\n");
+    fprintf(f, "  \"mass_hist_edges\": [");
+    for (int i = 0; i <= LLAMA_EXPERT_MASS_HIST_BINS; ++i) {
+        fprintf(f, "%s%.9g", i ? ", " : "", (double) i / LLAMA_EXPERT_MASS_HIST_BINS);
+    }
+    fprintf(f, "],\n");
+    uint64_t route_ns = 0, route_tokens = 0;
+    for (const auto & L : layers) {
+        route_ns     += L->route_ns;
+        route_tokens += L->route_tokens;
+    }
+    if (engine) {
+        const auto e = engine->total();
+        fprintf(f, "  \"engine\": {\"bank_bytes\": %llu, ", (unsigned long long) engine->total_size());
+#define LLAMA_EXPERT_COUNTER_JSON(field, metric, help) \
+        fprintf(f, "\"" #field "\": %llu, ", (unsigned long long) e.field);
+        LLAMA_EXPERT_ENGINE_COUNTERS(LLAMA_EXPERT_COUNTER_JSON)
+#undef LLAMA_EXPERT_COUNTER_JSON
+        fprintf(f, "\"async\": %s},\n", engine->async() ? "true" : "false");
+    }
+    fprintf(f, "  \"group_max\": %d,\n", group_max);
+    uint64_t bypass_tl = 0;
+    for (const auto & L : layers) {
+        bypass_tl += L->bypass_tokens;
+    }
+    fprintf(f, "  \"bypass\": %u,\n", cfg.bypass);
+    fprintf(f, "  \"bypass_token_layers\": %llu,\n", (unsigned long long) bypass_tl);
+    fprintf(f, "  \"route_ns\": %llu,\n", (unsigned long long) route_ns);
+    fprintf(f, "  \"route_ns_per_token_layer\": %.6g,\n", route_tokens ? (double) route_ns / route_tokens : 0.0);
+    fprintf(f, "  \"total\": {\n");
+    // tokens decided: those that reached the first MoE layer (graphs may skip unused tokens in the last layer)
+    uint64_t n_tokens = 0;
+    for (const auto & L : layers) {
+        if (L->moe) {
+            n_tokens = std::max(n_tokens, L->policy.stats.token_layers);
+        }
+    }
+    const auto t = total();
+    write_stats_obj(f, t, n_tokens, "    ");
+    fprintf(f, "  },\n");
+    fprintf(f, "  \"layers\": [");
+    bool first = true;
+    for (const auto & L : layers) {
+        if (!L->moe) {
+            continue;
+        }
+        fprintf(f, "%s\n    {\n      \"layer\": %d,\n", first ? "" : ",", L->il);
+        write_stats_obj(f, L->policy.stats, L->policy.stats.token_layers, "      ");
+        fprintf(f, "    }");
+        first = false;
+    }
+    fprintf(f, "\n  ]\n}\n");
+    return fclose(f) == 0;
+}

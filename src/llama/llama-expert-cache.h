@@ -1,0 +1,148 @@
+#pragma once
+
+// The MoE expert cache (moe-subst): configuration from LLAMA_MOE_CACHE, the per-layer route step
+// placed in the graph after the router, statistics and the router trace.
+//
+// Mode "emulate": the route step runs the residency policy (llama-expert-policy.h) on the host and
+// outputs the expert ids that the expert ops compute with (a substitute in place of a missed expert,
+// with the missed expert's gate weight). No memory is moved; the model computes exactly what an
+// engine with that policy would compute. See docs/expert-cache.md of the moe-subst project.
+
+#include "llama-expert-engine.h"
+#include "llama-expert-policy.h"
+#include "llama-ext.h"
+#include "llama-hparams.h"
+
+#include <cstdio>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct ggml_context;
+struct ggml_tensor;
+struct llama_memory_i;
+struct llama_model;
+struct llm_graph_context;
+
+#define LLAMA_EXPERT_CACHE_ENV "LLAMA_MOE_CACHE"
+
+#define LLAMA_EXPERT_STATS_SCHEMA_VERSION 1
+#define LLAMA_EXPERT_TRACE_VERSION        1
+
+struct llama_expert_cache;
+
+// per-layer state; its address is stable for the lifetime of the cache (it is the route op's userdata)
+struct llama_expert_cache_layer {
+    llama_expert_cache * cache = nullptr;
+
+    int32_t il  = -1;
+    bool    moe = false; // the layer has routed experts
+
+    llama_expert_layer_policy policy;
+
+    // router description, set when the graph is built
+    llama_expert_gating_func_type gating = LLAMA_EXPERT_GATING_FUNC_TYPE_NONE;
+    bool norm_w = false;
+
+    // host time spent in the route step (ns) and the token-layers it decided
+    uint64_t route_ns     = 0;
+    uint64_t route_tokens = 0;
+
+    // token-layers that took the prefill bypass (bypass=N), and the bypass's selection counts (scratch)
+    uint64_t bypass_tokens = 0;
+    std::vector<uint32_t> warm_counts;
+    std::vector<int32_t>  fetched; // engine: the experts a ubatch computes with (scratch)
+
+    // actions of the last ubatch, [n_tokens][k]
+    std::vector<uint8_t> actions;
+
+    // scratch
+    std::vector<float>   probs;
+    std::vector<float>   scores;
+    std::vector<float>   w;
+    std::vector<int32_t> top;
+};
+
+struct llama_expert_cache {
+    // throws std::runtime_error with a clear message when the configuration cannot apply to the model
+    // ctx_mem: the context's memory (KV cache) per buffer type, for a residency given as a budget (vram=)
+    llama_expert_cache(const llama_expert_cache_config & cfg, const llama_model & model,
+                       const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem = {});
+    ~llama_expert_cache();
+
+    // read the spec from LLAMA_MOE_CACHE; null when unset or mode=off; throws on a bad spec.
+    // memory: the context's memory (KV cache; may be null), whose size a residency budget (vram=) accounts for.
+    // The hook in llama_context's constructor.
+    static std::unique_ptr<llama_expert_cache> from_env(const llama_model & model, const llama_memory_i * memory);
+
+    // The hook in llm_graph_context::build_moe_ffn, after the router: builds the route step of layer il
+    // (build_route) and rewires the layer's expert computation to it: `selected` becomes the route step's ids
+    // (experts in emulate mode, cache slots in engine mode, where every routed-expert tensor of the layer in
+    // `expert_tensors` is replaced by its cache bank), `weights` is multiplied by the drop rule's 0/1 factors.
+    // Unchanged when no route step applies (warmup, more experts per token than slots).
+    void build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits, ggml_tensor * exp_probs_b,
+            llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected, ggml_tensor *& weights,
+            std::initializer_list<ggml_tensor **> expert_tensors);
+
+    // The hook in llama_context::memory_breakdown: the cache banks count as per-context memory, like the KV cache
+    void memory_breakdown_add(llama_memory_breakdown & ret) const;
+
+    // back to the initial residency, clear statistics, restart the trace (called by llama_perf_context_reset,
+    // so that a warmup run does not count)
+    void reset();
+
+    // Build the route step for layer il. ids: the selected experts [k, n_tokens] (I32); logits: the router
+    // logits [n_expert, n_tokens] (F32, after any router bias); exp_probs_b: the selection bias or null.
+    // Returns the ids tensor the expert ops must use, or `ids` itself when no route step applies to this
+    // graph (warmup, or more experts per token than slots). When the rule drops experts, *keep is set to
+    // an F32 [1, k, n_tokens] tensor of 0/1 factors for the gate weights (else null).
+    ggml_tensor * build_route(
+            ggml_context * ctx,
+            ggml_tensor  * ids,
+            ggml_tensor  * logits,
+            ggml_tensor  * exp_probs_b,
+            llama_expert_gating_func_type gating,
+            bool           norm_w,
+            bool           warmup,
+            int            il,
+            ggml_tensor ** keep);
+
+    llama_expert_policy_stats total() const;
+
+    // mode=engine: real cache banks (null in emulate mode)
+    std::unique_ptr<llama_expert_engine> engine;
+
+    // whether a ubatch of n_tokens is decided as a group (2 <= n_tokens <= group_max): the experts its tokens
+    // compute with are held resident together until its end
+    bool grouped(int64_t n_tokens) const;
+
+    // mode=engine: whether the expert ops of a graph whose route step is `route` use the cache banks (one token
+    // per ubatch, or a group); larger ubatches compute with the full expert tensors
+    bool banked(const ggml_tensor * route) const;
+
+    // mode=engine: the cache bank of a layer's expert tensor (null for null)
+    ggml_tensor * bank(int il, ggml_tensor * src) const;
+
+    void print_stats() const;
+    bool write_stats(const std::string & path) const;
+
+    llama_expert_cache_config cfg;
+
+    int32_t n_layer  = 0;
+    int32_t n_expert = 0;
+    int32_t n_used   = 0; // experts per token (k)
+    int32_t n_slots  = 0;
+    int32_t group_max = 1; // largest ubatch decided as a group (group key; group_max*n_used <= n_slots)
+
+    std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
+
+    // router trace
+    FILE *   trace       = nullptr;
+    uint32_t trace_top   = 0;
+    uint32_t trace_rsize = 0;
+
+    void trace_open();
+    void trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
+                     const int32_t * out, const uint8_t * act, const float * scores);
+};

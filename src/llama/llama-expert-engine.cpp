@@ -1,0 +1,578 @@
+#include "llama-expert-engine.h"
+
+#include "llama-expert-policy.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+// the device of a layer (the output device for layers the model did not place, if any)
+static ggml_backend_dev_t layer_dev(const llama_model & model, int il) {
+    try {
+        return model.dev_layer(il);
+    } catch (const std::out_of_range &) {
+        return model.dev_output();
+    }
+}
+
+// the dimension of src that indexes experts: its highest dimension with more than one element
+static int expert_dim(const ggml_tensor * t) {
+    for (int d = GGML_MAX_DIMS - 1; d > 0; --d) {
+        if (t->ne[d] > 1) {
+            return d;
+        }
+    }
+    return 0;
+}
+
+llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
+                                         int32_t n_slots_, llama_expert_async async, const char * prefix)
+        : n_expert(n_expert_), n_slots(n_slots_) {
+    const std::string pfx = prefix;
+    layers.resize(moe.size());
+
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+
+    for (size_t il = 0; il < moe.size(); ++il) {
+        if (!moe[il]) {
+            continue;
+        }
+        const auto & ml = model.layers[il];
+        ggml_tensor * srcs[] = {
+            ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
+            ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
+            ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
+        };
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
+        auto it = ctx_of.find(buft);
+        if (it == ctx_of.end()) {
+            ggml_init_params params = {
+                /*.mem_size   =*/ moe.size()*(sizeof(srcs)/sizeof(srcs[0]))*ggml_tensor_overhead(),
+                /*.mem_buffer =*/ nullptr,
+                /*.no_alloc   =*/ true,
+            };
+            ggml_context * ctx = ggml_init(params);
+            if (!ctx) {
+                throw std::runtime_error(pfx + "failed to create the ggml context of the cache banks");
+            }
+            ctxs.emplace_back(ctx);
+            it = ctx_of.emplace(buft, ctx).first;
+        }
+        for (ggml_tensor * src : srcs) {
+            if (src == nullptr) {
+                continue;
+            }
+            if (src->buffer == nullptr || !ggml_backend_buffer_is_host(src->buffer)) {
+                const char * bname = src->buffer ? ggml_backend_buffer_name(src->buffer) : "none";
+                const bool repack = src->buffer && strstr(bname, "REPACK") != nullptr;
+                throw std::runtime_error(pfx + "mode=engine copies experts slot by slot from host memory, but " +
+                    ggml_get_name(src) + " is in buffer " + bname +
+                    (repack ? " (repacked CPU layout): pass --no-repack (-nr) to load the weights in their plain layout"
+                            : ", not host memory: keep the expert tensors in RAM (--cpu-moe, or -ot exps=CPU)"));
+            }
+            // copies to a GPU are fast and asynchronous only from pinned memory
+            ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(layer_dev(model, (int) il));
+            if (host_buft && ggml_backend_buffer_get_type(src->buffer) != host_buft && !warned_pageable) {
+                LLAMA_LOG_WARN("%s: WARNING: the expert tensors (e.g. %s, in %s) are in pageable host memory, not in "
+                    "%s: every fetch into the cache is a slower, synchronous copy. To load them into pinned memory, "
+                    "load without mmap (--load-mode none; llama-bench: -lm none) and keep the experts on the CPU (--cpu-moe)\n",
+                    __func__, ggml_get_name(src), ggml_backend_buffer_name(src->buffer), ggml_backend_buft_name(host_buft));
+                warned_pageable = true;
+            }
+            const int d = expert_dim(src);
+            if (src->ne[d] != n_expert || !ggml_is_contiguous(src)) {
+                throw std::runtime_error(pfx + "unsupported layout of the expert tensor " + ggml_get_name(src) +
+                    " (expected a contiguous tensor whose last dimension is the " + std::to_string(n_expert) + " experts)");
+            }
+            int64_t ne[GGML_MAX_DIMS];
+            for (int i = 0; i < GGML_MAX_DIMS; ++i) {
+                ne[i] = src->ne[i];
+            }
+            ne[d] = n_slots + 1; // one spare slot, never written
+            ggml_tensor * bank = ggml_new_tensor(it->second, src->type, ggml_n_dims(src), ne);
+            ggml_format_name(bank, "%s.cache", ggml_get_name(src));
+            GGML_ASSERT(bank->nb[d] == src->nb[d]);
+            layers[il].banks.push_back({ src, bank, src->nb[d] });
+        }
+        layers[il].bank_expert.assign(n_slots, -1);
+        layers[il].slot_state.assign(n_slots, LLAMA_EXPERT_SLOT_READY);
+    }
+
+    no_alloc = model.hparams.no_alloc;
+    for (auto & [buft, ctx] : ctx_of) {
+        ggml_backend_buffer_t buf;
+        const size_t size = ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft);
+        if (no_alloc) {
+            // memory fitting dry run: a dummy buffer, so that the scheduler does not allocate the banks
+            buf = ggml_backend_buft_alloc_buffer(buft, 0);
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+                t->buffer = buf;
+            }
+        } else {
+            buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        }
+        if (!buf) {
+            throw std::runtime_error(pfx + "failed to allocate " + std::to_string(size/1024/1024) +
+                " MiB for the cache banks in " + ggml_backend_buft_name(buft) + ": give fewer slots");
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        if (!no_alloc) {
+            ggml_backend_buffer_clear(buf, 0);
+        }
+        LLAMA_LOG_INFO("%s: cache banks: %8.2f MiB in %s (%d slots + 1 spare per layer)\n", __func__,
+            size/1024.0/1024.0, ggml_backend_buft_name(buft), n_slots);
+        bufs.emplace_back(buf);
+        sizes.emplace_back(buft, size);
+    }
+
+    // background copies: one copier per device of the banks
+    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF) {
+        std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
+        uint32_t delay_us = 0;
+        if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US")) {
+            delay_us = (uint32_t) strtoul(d, nullptr, 10);
+        }
+        for (size_t il = 0; il < moe.size(); ++il) {
+            if (!moe[il]) {
+                continue;
+            }
+            ggml_backend_dev_t dev = layer_dev(model, (int) il);
+            auto it = copier_of.find(dev);
+            if (it == copier_of.end()) {
+                std::unique_ptr<llama_expert_copier> c;
+                if (async == LLAMA_EXPERT_ASYNC_THREAD) {
+                    const bool host = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
+                    if (!host) {
+                        throw std::runtime_error(pfx + "async=thread copies into banks in host memory, but the banks of "
+                            "layer " + std::to_string(il) + " are on " + ggml_backend_dev_name(dev) + ": use async=auto");
+                    }
+                    c = llama_expert_copier_thread(2*(int32_t) moe.size(), delay_us);
+                } else {
+                    c = llama_expert_copier_backend(dev, 2*(int32_t) moe.size());
+                }
+                llama_expert_copier * ptr = c.get();
+                if (c) {
+                    LLAMA_LOG_INFO("%s: background admissions: %s on %s\n", __func__, c->name(), ggml_backend_dev_name(dev));
+                    copiers.push_back(std::move(c));
+                } else {
+                    LLAMA_LOG_INFO("%s: background admissions: synchronous copies (%s offers no async copies with events)\n",
+                        __func__, ggml_backend_dev_name(dev));
+                }
+                it = copier_of.emplace(dev, ptr).first;
+            }
+            layers[il].copier = it->second;
+        }
+    }
+}
+
+llama_expert_engine::~llama_expert_engine() {
+    // no copy may outlive the banks it writes
+    for (auto & c : copiers) {
+        c->wait_all();
+    }
+    copiers.clear();
+}
+
+ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
+    if (src == nullptr) {
+        return nullptr;
+    }
+    for (const auto & b : layers.at(il).banks) {
+        if (b.src == src) {
+            return b.bank;
+        }
+    }
+    throw std::runtime_error(format("expert cache: mode=engine has no cache bank for tensor %s of layer %d",
+        ggml_get_name(src), il));
+}
+
+// copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
+// async, else synchronously
+static void copy_run(llama_expert_engine_layer & L, int32_t s, int32_t e, int32_t n, bool async) {
+    for (const auto & b : L.banks) {
+        const char * src = (const char *) b.src->data + (size_t) e*b.stride;
+        if (async) {
+            L.copier->copy(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
+        } else {
+            ggml_backend_tensor_set(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
+        }
+        L.stats.copies++;
+        L.stats.copy_bytes += (uint64_t) n*b.stride;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        L.bank_expert[s + i] = e + i;
+    }
+    L.stats.copied_experts += n;
+}
+
+void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched, int32_t n_fetched) {
+    if (no_alloc) {
+        return;
+    }
+    auto & L = layers[il];
+    const auto t_start = std::chrono::steady_clock::now();
+
+    // a slot whose new expert the current ubatch computes with is a synchronous fetch; any other change is a
+    // background admission (all changes are foreground when fetched is null: larger ubatches, bypass, reset)
+    auto is_fetch = [&](int32_t e) {
+        if (fetched == nullptr) {
+            return true;
+        }
+        for (int32_t i = 0; i < n_fetched; ++i) {
+            if (fetched[i] == e) {
+                return true;
+            }
+        }
+        return false;
+    };
+    // a slot the ubatch's expert ops read (its expert is computed with); kernels that read past the end of an
+    // expert (MMQ tiles) may read the start of the next slot, which no copy may write while they run
+    auto in_use = [&](int32_t slot) {
+        const int32_t e = policy.expert_of[slot];
+        return e >= 0 && fetched != nullptr && is_fetch(e);
+    };
+
+    // the runs of consecutive slots that need consecutive experts of the same kind (fetch or background)
+    auto & runs = L.runs;
+    runs.clear();
+    int32_t s = 0;
+    while (s < n_slots) {
+        const int32_t e = policy.expert_of[s];
+        if (e < 0 || L.bank_expert[s] == e) {
+            ++s;
+            continue;
+        }
+        GGML_ASSERT(L.slot_state[s] == LLAMA_EXPERT_SLOT_READY && "expert cache engine: a slot overwritten while its copy runs");
+        const bool fg = is_fetch(e);
+        if (!fg && L.copier != nullptr && s > 0 && in_use(s - 1)) {
+            // next to a slot in use: copied synchronously at the layer's next route step, before any use
+            L.slot_state[s] = LLAMA_EXPERT_SLOT_DEFERRED;
+            L.loading.push_back(s);
+            L.stats.background_experts++;
+            L.stats.deferred_experts++;
+            ++s;
+            continue;
+        }
+        int32_t n = 1;
+        while (s + n < n_slots && policy.expert_of[s + n] == e + n && L.bank_expert[s + n] != e + n &&
+               L.slot_state[s + n] == LLAMA_EXPERT_SLOT_READY && is_fetch(e + n) == fg) {
+            ++n;
+        }
+        runs.push_back({ s, e, n, fg });
+        s += n;
+    }
+    if (runs.empty()) {
+        return;
+    }
+
+    // fetches first, then one wait for all of them (with a copier: one synchronisation per step instead of one
+    // per copy); background admissions after them, waited for at the layer's next step
+    bool fetched_async = false;
+    bool background    = false;
+    for (int pass = 0; pass < 2; ++pass) {
+        const bool fg = pass == 0;
+        for (const auto & r : runs) {
+            if (r.fg != fg) {
+                continue;
+            }
+            // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
+            // state until the layer's next route step
+            copy_run(L, r.s, r.e, r.n, L.copier != nullptr);
+            for (int32_t i = 0; i < r.n; ++i) {
+                L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
+                if (!fg) {
+                    L.loading.push_back(r.s + i);
+                }
+            }
+            if (fg) {
+                fetched_async = L.copier != nullptr;
+            } else {
+                L.stats.background_experts += r.n;
+                background = true;
+            }
+        }
+        if (fg && fetched_async) {
+            L.copier->record(2*il);
+        }
+    }
+    if (background && L.copier != nullptr) {
+        L.copier->record(2*il + 1);
+    }
+    if (fetched_async) {
+        L.copier->wait(2*il); // the ubatch computes with the fetched experts
+    }
+    L.stats.copy_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t_start).count();
+}
+
+void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy & policy) {
+    auto & L = layers[il];
+    if (L.loading.empty()) {
+        return;
+    }
+    const auto t_start = std::chrono::steady_clock::now();
+    if (L.copier != nullptr) {
+        L.copier->wait(2*il + 1);
+    }
+    const auto t_waited = std::chrono::steady_clock::now();
+    L.stats.wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(t_waited - t_start).count();
+    bool copied = false;
+    for (int32_t s : L.loading) {
+        if (L.slot_state[s] == LLAMA_EXPERT_SLOT_DEFERRED) {
+            // the policy's residency has not changed since (no decision in between): copy it now
+            const int32_t e = policy.expert_of[s];
+            GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
+            copy_run(L, s, e, 1, false);
+            copied = true;
+        }
+        GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);
+        L.slot_state[s] = LLAMA_EXPERT_SLOT_READY;
+    }
+    L.loading.clear();
+    if (copied) {
+        L.stats.copy_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - t_waited).count();
+    }
+}
+
+int32_t llama_expert_engine::slot_for(int32_t il, const llama_expert_layer_policy & policy, int32_t expert) const {
+    const int32_t slot = policy.slot_of[expert];
+    // an expert computed with by the current token is resident and its copy has completed: the policy
+    // never evicts an expert in use by the token being decided
+    GGML_ASSERT(slot >= 0 && slot < n_slots && "expert cache engine: an expert in use is not resident");
+    GGML_ASSERT(layers[il].bank_expert[slot] == expert && layers[il].slot_state[slot] == LLAMA_EXPERT_SLOT_READY &&
+                "expert cache engine: slot used before its copy completed");
+    return slot;
+}
+
+void llama_expert_engine::reset_stats() {
+    for (auto & L : layers) {
+        L.stats = {};
+    }
+}
+
+llama_expert_engine_stats llama_expert_engine::total() const {
+    llama_expert_engine_stats t;
+    for (const auto & L : layers) {
+        t.add(L.stats);
+    }
+    return t;
+}
+
+size_t llama_expert_engine::total_size() const {
+    size_t size = 0;
+    for (const auto & bs : sizes) {
+        size += bs.second;
+    }
+    return size;
+}
+
+std::map<ggml_backend_buffer_type_t, size_t> llama_expert_engine::memory_breakdown() const {
+    std::map<ggml_backend_buffer_type_t, size_t> ret;
+    for (const auto & [buft, size] : sizes) {
+        ret[buft] += size;
+    }
+    return ret;
+}
+
+//
+// background copiers
+//
+
+namespace {
+
+// a second backend instance of the device: copies on its own stream, one event per mark
+struct copier_backend : llama_expert_copier {
+    ggml_backend_t backend = nullptr;
+    std::vector<ggml_backend_event_t> events;
+    std::vector<bool> recorded;
+
+    ~copier_backend() override {
+        if (backend) {
+            ggml_backend_synchronize(backend);
+        }
+        for (auto ev : events) {
+            if (ev) {
+                ggml_backend_event_free(ev);
+            }
+        }
+        if (backend) {
+            ggml_backend_free(backend);
+        }
+    }
+    void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
+        ggml_backend_tensor_set_async(backend, bank, src, offset, size);
+    }
+    void record(int32_t m) override {
+        ggml_backend_event_record(events[m], backend);
+        recorded[m] = true;
+    }
+    void wait(int32_t m) override {
+        if (recorded[m]) {
+            ggml_backend_event_synchronize(events[m]);
+            recorded[m] = false;
+        }
+    }
+    void wait_all() override {
+        ggml_backend_synchronize(backend);
+        std::fill(recorded.begin(), recorded.end(), false);
+    }
+    const char * name() const override { return "a copy stream (second backend instance, events)"; }
+};
+
+// a host thread that runs the copies in order
+struct copier_thread : llama_expert_copier {
+    struct job {
+        ggml_tensor * bank;
+        const void  * src;
+        size_t        offset;
+        size_t        size;
+    };
+    std::mutex              mtx;
+    std::condition_variable cv_job;
+    std::condition_variable cv_done;
+    std::deque<job>         jobs;
+    uint64_t                issued = 0; // jobs queued so far
+    uint64_t                done   = 0; // jobs completed so far
+    std::vector<uint64_t>   mark;       // per mark: jobs that must be done for the copies before it
+    uint32_t                delay_us = 0;
+    bool                    stop     = false;
+    std::thread             worker;
+
+    copier_thread(int32_t n_marks, uint32_t delay) : mark(n_marks, 0), delay_us(delay) {
+        worker = std::thread([this] { run(); });
+    }
+    ~copier_thread() override {
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            stop = true;
+        }
+        cv_job.notify_all();
+        worker.join();
+    }
+    void run() {
+        std::unique_lock<std::mutex> lock(mtx);
+        while (true) {
+            cv_job.wait(lock, [this] { return stop || !jobs.empty(); });
+            if (jobs.empty()) {
+                return; // stop, nothing left
+            }
+            const job j = jobs.front();
+            jobs.pop_front();
+            lock.unlock();
+            if (delay_us > 0) {
+                std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+            }
+            ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
+            lock.lock();
+            done++;
+            cv_done.notify_all();
+        }
+    }
+    void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            jobs.push_back({ bank, src, offset, size });
+            issued++;
+        }
+        cv_job.notify_one();
+    }
+    void record(int32_t m) override {
+        std::lock_guard<std::mutex> lock(mtx);
+        mark[m] = issued;
+    }
+    void wait(int32_t m) override {
+        std::unique_lock<std::mutex> lock(mtx);
+        cv_done.wait(lock, [this, m] { return done >= mark[m]; });
+    }
+    void wait_all() override {
+        std::unique_lock<std::mutex> lock(mtx);
+        cv_done.wait(lock, [this] { return done >= issued; });
+    }
+    const char * name() const override { return "a host copy thread"; }
+};
+
+} // namespace
+
+std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_dev_t dev, int32_t n_marks) {
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    if (!props.caps.async || !props.caps.events) {
+        return nullptr;
+    }
+    auto c = std::make_unique<copier_backend>();
+    c->backend = ggml_backend_dev_init(dev, nullptr);
+    if (!c->backend) {
+        return nullptr;
+    }
+    c->events.assign(n_marks, nullptr);
+    c->recorded.assign(n_marks, false);
+    for (int32_t m = 0; m < n_marks; ++m) {
+        c->events[m] = ggml_backend_event_new(dev);
+        if (!c->events[m]) {
+            return nullptr;
+        }
+    }
+    return c;
+}
+
+std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us) {
+    return std::make_unique<copier_thread>(n_marks, delay_us);
+}
+
+int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
+        int32_t n_expert, int32_t k, uint64_t vram, uint64_t reserve,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix) {
+    std::map<ggml_backend_buffer_type_t, bool> bufts;
+    uint64_t per_slot = 0; // bytes of one slot in every bank of every MoE layer
+    uint64_t n_banks  = 0;
+    for (size_t il = 0; il < moe.size(); ++il) {
+        if (!moe[il]) {
+            continue;
+        }
+        bufts[ggml_backend_dev_buffer_type(layer_dev(model, (int) il))] = true;
+        const auto & ml = model.layers[il];
+        for (const ggml_tensor * t : { ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
+                                       ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
+                                       ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s }) {
+            if (t) {
+                per_slot += t->nb[expert_dim(t)];
+                n_banks++;
+            }
+        }
+    }
+    uint64_t weights = 0, context = 0;
+    for (const auto & [buft, size] : model.memory_breakdown()) {
+        if (bufts.count(buft)) {
+            weights += size;
+        }
+    }
+    for (const auto & [buft, size] : ctx_mem) {
+        if (bufts.count(buft)) {
+            context += size;
+        }
+    }
+    // the spare slot of every bank, and alignment padding
+    const uint64_t fixed   = weights + context + reserve + per_slot + 512*n_banks;
+    const uint64_t minimum = fixed + (uint64_t) k*per_slot;
+    const double   MiB     = 1024.0*1024.0;
+    if (per_slot == 0 || vram < minimum) {
+        throw std::runtime_error(prefix + format("vram=%.0f MiB is too small: the weights on the device (%.1f MiB), the "
+            "context (%.1f MiB), the compute reserve (vram_reserve, %.1f MiB) and %d slots per layer (the experts used "
+            "per token, %.1f MiB) need at least %.0f MiB", vram/MiB, weights/MiB, context/MiB, reserve/MiB, k,
+            (fixed - weights - context - reserve + (uint64_t) k*per_slot)/MiB, std::ceil(minimum/MiB)));
+    }
+    const int32_t n_slots = (int32_t) std::min<uint64_t>((uint64_t) n_expert, (vram - fixed)/per_slot);
+    LLAMA_LOG_INFO("%s: vram budget %.1f MiB: weights %.1f MiB + context %.1f MiB + compute reserve %.1f MiB + cache "
+        "banks %d slots x %.2f MiB (+1 spare) = %.1f MiB; %d of %d experts resident per layer (%.1f%%)\n", __func__,
+        vram/MiB, weights/MiB, context/MiB, reserve/MiB, n_slots, per_slot/MiB,
+        (fixed + (uint64_t) n_slots*per_slot)/MiB, n_slots, n_expert, 100.0*n_slots/n_expert);
+    return n_slots;
+}

@@ -1,0 +1,162 @@
+#pragma once
+
+// The MoE expert cache engine (moe-subst), mode=engine: real cache banks and copies.
+//
+// Per MoE layer, one bank per routed-expert tensor of the layer (gate/up/down or merged gate_up, and the
+// per-expert biases `_b` and scales `_s`): a tensor of the same type and row layout with n_slots + 1
+// experts instead of n_expert, slot stride = the expert tensor's stride, allocated in the layer's
+// device buffer type (RAM in a CPU build, VRAM with CUDA) and cleared at allocation. The last slot is
+// a spare that is never written (kernels may read past the last expert; a dropped expert computes
+// with it, with gate weight 0).
+//
+// The residency policy (llama-expert-policy.h) decides; the engine makes the banks follow it: after the
+// policy has decided a token (or a group of tokens), every slot whose bank content differs from the
+// policy's residency is copied from the full expert tensor in host memory (consecutive slots holding
+// consecutive experts in one copy per bank). A slot the token computes with is fetched synchronously (with a
+// copier: all of a step's fetch copies issued, then one wait); a background admission is copied by a copier (a second backend instance with its own stream and an event per
+// layer on GPUs; a host thread on request) while the token computes, and the slot stays LOADING, neither used
+// nor overwritten, until the layer's next route step has waited for it.
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+#include "llama-expert-policy.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <string>
+#include <utility>
+#include <vector>
+
+struct llama_model;
+struct llama_expert_layer_policy;
+
+// state of a slot: READY (its bank content, possibly empty, may be used), LOADING (a background copy into it
+// has been issued and not completed: it must be neither used nor overwritten) or DEFERRED (a background
+// admission not issued yet because the slot before it is in use by the ubatch and kernels may read past the
+// end of an expert: it is copied synchronously at the layer's next route step, before any use)
+enum llama_expert_slot_state {
+    LLAMA_EXPERT_SLOT_READY    = 0,
+    LLAMA_EXPERT_SLOT_LOADING  = 1,
+    LLAMA_EXPERT_SLOT_DEFERRED = 2,
+};
+
+// Asynchronous copies into the banks, in issue order. copy() issues a copy, record(m) sets mark m (one of
+// n_marks) at the copies issued so far, wait(m) blocks until the copies before the mark have completed,
+// wait_all() until every copy has. The engine uses two marks per layer: its fetches (waited for at once, one
+// wait for all of a step's fetch copies) and its background admissions (waited for at the next step).
+struct llama_expert_copier {
+    virtual ~llama_expert_copier() = default;
+    virtual void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) = 0;
+    virtual void record(int32_t mark) = 0;
+    virtual void wait(int32_t mark) = 0;
+    virtual void wait_all() = 0;
+    virtual const char * name() const = 0;
+};
+
+// a second backend instance of the banks' device: its own stream, one event per mark (CUDA and other
+// devices with async copies and events); null when the device offers neither
+std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_dev_t dev, int32_t n_marks);
+
+// a host thread that copies into banks in host memory, in order; delay_us (tests) holds every copy back so
+// that a slot used before its copy completed would be caught
+std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us);
+
+struct llama_expert_engine_bank {
+    ggml_tensor * src    = nullptr; // the full expert tensor (host memory)
+    ggml_tensor * bank   = nullptr; // the cache bank (n_slots + 1 experts)
+    size_t        stride = 0;       // bytes per expert (src->nb[dim])
+};
+
+struct llama_expert_engine_stats {
+    // copied_experts, copies, copy_bytes, copy_ns, ...: the counter table in llama-expert-counters.h
+    LLAMA_EXPERT_ENGINE_COUNTERS(LLAMA_EXPERT_COUNTER_ZERO)
+
+    void add(const llama_expert_engine_stats & o) {
+#define LLAMA_EXPERT_COUNTER_ADD(field, metric, help) field += o.field;
+        LLAMA_EXPERT_ENGINE_COUNTERS(LLAMA_EXPERT_COUNTER_ADD)
+#undef LLAMA_EXPERT_COUNTER_ADD
+    }
+};
+
+// a run of consecutive slots that receive consecutive experts, all fetches or all background admissions
+struct llama_expert_engine_run {
+    int32_t s;  // first slot
+    int32_t e;  // first expert
+    int32_t n;  // slots
+    bool    fg; // fetch (the ubatch computes with it) or background admission
+};
+
+struct llama_expert_engine_layer {
+    std::vector<llama_expert_engine_bank> banks;
+    std::vector<int32_t> bank_expert; // slot -> expert whose bytes the banks hold (-1: empty)
+    std::vector<uint8_t> slot_state;  // llama_expert_slot_state per slot
+    std::vector<int32_t> loading;     // slots with a background copy in flight, or deferred
+    llama_expert_copier * copier = nullptr; // copies into this layer's banks (null: synchronous)
+    std::vector<llama_expert_engine_run> runs; // scratch of sync()
+
+    llama_expert_engine_stats stats;      // since the last reset
+    llama_expert_engine_stats stats_init; // initial fill at creation
+};
+
+struct llama_expert_engine {
+    // Allocate and clear the banks of every MoE layer (moe[il]) in the layer's buffer type.
+    // Throws std::runtime_error with a clear message for layouts that cannot be copied slot by slot
+    // (repacked CPU weights, expert tensors not in host memory).
+    llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert, int32_t n_slots,
+                        llama_expert_async async, const char * prefix);
+    ~llama_expert_engine();
+
+    // the bank of a layer's expert tensor; null for null; throws for a tensor without a bank
+    ggml_tensor * bank(int32_t il, ggml_tensor * src) const;
+
+    // Copy into the banks every slot whose content differs from the policy's residency. fetched: the experts
+    // the current ubatch computes with (its hits, fetches and substitutes): a changed slot holding one of them
+    // is a synchronous fetch; any other change is a background admission, LOADING until complete() (DEFERRED,
+    // when a copier runs and the slot before it is in use). Null: every change is synchronous (larger
+    // ubatches, the prefill bypass, reset).
+    void sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched = nullptr, int32_t n_fetched = 0);
+
+    // complete the layer's background copies (at its next route step, before deciding): wait for the copies
+    // in flight, copy the deferred slots
+    void complete(int32_t il, const llama_expert_layer_policy & policy);
+
+    // expert -> slot for the expert ops; asserts that the slot holds the expert (copy completed)
+    int32_t slot_for(int32_t il, const llama_expert_layer_policy & policy, int32_t expert) const;
+
+    void reset_stats();
+
+    // whether any copier runs (background admissions are asynchronous copies)
+    bool async() const { return !copiers.empty(); }
+
+    llama_expert_engine_stats total() const;
+
+    size_t total_size() const;
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const;
+
+    int32_t n_expert = 0;
+    int32_t n_slots  = 0;
+
+    std::vector<llama_expert_engine_layer> layers;
+
+    std::vector<std::unique_ptr<llama_expert_copier>> copiers; // one per device with background copies
+
+    std::vector<ggml_context_ptr>        ctxs;
+    std::vector<ggml_backend_buffer_ptr> bufs;
+    std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> sizes; // bytes of the banks per buffer type
+
+    bool no_alloc = false; // memory fitting dry run: sizes only, nothing copied
+    bool warned_pageable = false;
+};
+
+// Residency by budget (`vram=SIZE`): the slots per layer that fit in `vram` bytes next to the model's weights
+// and the context's memory (ctx_mem) in the buffer types of the MoE layers, plus `reserve` bytes for the
+// compute buffers; at most n_expert. Logs the plan. Throws, naming the minimum budget, when fewer than k fit.
+int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
+        int32_t n_expert, int32_t k, uint64_t vram, uint64_t reserve,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix);

@@ -1,0 +1,767 @@
+#include "llama-expert-policy.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+//
+// configuration
+//
+
+static const char * LLAMA_EXPERT_CACHE_KEYS =
+    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, bypass, group, async, profile, profile_out, stats, trace, trace_top";
+
+const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
+    switch (rule) {
+        case LLAMA_EXPERT_MISS_FETCH_ALL:      return "fetch-all";
+        case LLAMA_EXPERT_MISS_THRESHOLD:      return "threshold";
+        case LLAMA_EXPERT_MISS_FIRST_CHOICE:   return "first-choice";
+        case LLAMA_EXPERT_MISS_SUBSTITUTE_ALL: return "substitute-all";
+        case LLAMA_EXPERT_MISS_DROP:           return "drop";
+    }
+    return "?";
+}
+
+const char * llama_expert_evict_name(llama_expert_evict evict) {
+    switch (evict) {
+        case LLAMA_EXPERT_EVICT_LFU: return "lfu";
+        case LLAMA_EXPERT_EVICT_LRU: return "lru";
+    }
+    return "?";
+}
+
+const char * llama_expert_cache_mode_name(llama_expert_cache_mode mode) {
+    switch (mode) {
+        case LLAMA_EXPERT_CACHE_MODE_OFF:     return "off";
+        case LLAMA_EXPERT_CACHE_MODE_EMULATE: return "emulate";
+        case LLAMA_EXPERT_CACHE_MODE_ENGINE:  return "engine";
+    }
+    return "?";
+}
+
+static bool parse_float(const std::string & s, float & out) {
+    if (s.empty()) {
+        return false;
+    }
+    char * end = nullptr;
+    errno = 0;
+    const double v = std::strtod(s.c_str(), &end);
+    if (errno != 0 || end == s.c_str() || *end != '\0' || !std::isfinite(v)) {
+        return false;
+    }
+    out = (float) v;
+    return true;
+}
+
+static bool parse_uint(const std::string & s, uint64_t & out) {
+    if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos || s.size() > 18) {
+        return false;
+    }
+    out = std::strtoull(s.c_str(), nullptr, 10);
+    return true;
+}
+
+// a size in bytes, with an optional K, M, G or T suffix (powers of 1024), e.g. 24G
+static bool parse_size(const std::string & s, uint64_t & out) {
+    if (s.empty()) {
+        return false;
+    }
+    uint64_t mult = 1;
+    std::string num = s;
+    switch (std::toupper((unsigned char) s.back())) {
+        case 'K': mult = 1ull << 10; break;
+        case 'M': mult = 1ull << 20; break;
+        case 'G': mult = 1ull << 30; break;
+        case 'T': mult = 1ull << 40; break;
+        default: break;
+    }
+    if (mult > 1) {
+        num.pop_back();
+    }
+    char * end = nullptr;
+    errno = 0;
+    const double d = std::strtod(num.c_str(), &end);
+    if (num.empty() || errno != 0 || *end != '\0' || !std::isfinite(d) || d < 0.0 || d * mult > 1.8e19) {
+        return false;
+    }
+    out = (uint64_t) (d * (double) mult);
+    return true;
+}
+
+static bool bad_value(std::string & err, const std::string & key, const std::string & val, const char * accepted) {
+    err = "bad value '" + val + "' for key '" + key + "' (accepted: " + accepted + ")";
+    return false;
+}
+
+static bool apply_preset(const std::string & val, llama_expert_cache_config & cfg, std::string & err) {
+    if (val == "quality") {
+        cfg.rule  = LLAMA_EXPERT_MISS_THRESHOLD;
+        cfg.tau   = 0.15f;
+        cfg.evict = LLAMA_EXPERT_EVICT_LFU;
+        cfg.admit = true;
+        cfg.beta  = 0.5f;
+    } else if (val == "speed") {
+        cfg.rule  = LLAMA_EXPERT_MISS_FIRST_CHOICE;
+        cfg.evict = LLAMA_EXPERT_EVICT_LFU;
+        cfg.admit = true;
+        cfg.beta  = 0.5f;
+    } else if (val == "fetch-all") {
+        cfg.rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
+        cfg.evict = LLAMA_EXPERT_EVICT_LRU;
+        cfg.admit = false;
+    } else {
+        return bad_value(err, "policy", val, "quality, speed, fetch-all");
+    }
+    cfg.preset = val;
+    return true;
+}
+
+bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cache_config & cfg, std::string & err) {
+    cfg = llama_expert_cache_config();
+    cfg.spec = spec;
+
+    // split "k=v,k=v"
+    std::vector<std::pair<std::string, std::string>> kv;
+    size_t pos = 0;
+    while (pos <= spec.size()) {
+        size_t end = spec.find(',', pos);
+        if (end == std::string::npos) {
+            end = spec.size();
+        }
+        std::string item = spec.substr(pos, end - pos);
+        // trim spaces
+        while (!item.empty() && std::isspace((unsigned char) item.front())) { item.erase(item.begin()); }
+        while (!item.empty() && std::isspace((unsigned char) item.back()))  { item.pop_back(); }
+        if (!item.empty()) {
+            const size_t eq = item.find('=');
+            if (eq == std::string::npos) {
+                if (item == "off" || item == "emulate" || item == "engine") {
+                    kv.emplace_back("mode", item); // shorthand: "off", "emulate", "engine"
+                } else {
+                    err = "'" + item + "' is not key=value (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
+                    return false;
+                }
+            } else {
+                kv.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+            }
+        }
+        pos = end + 1;
+    }
+
+    if (kv.empty()) {
+        return true; // empty spec: off
+    }
+
+    // defaults when a spec is given: emulate; the preset is applied before the explicit keys
+    cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE;
+    for (const auto & [key, val] : kv) {
+        if (key == "policy" && !apply_preset(val, cfg, err)) {
+            return false;
+        }
+    }
+
+    bool explicit_rule = false;
+    for (const auto & [key, val] : kv) {
+        if (key == "policy") {
+            continue;
+        }
+        if (key == "mode") {
+            if (val == "off") {
+                cfg.mode = LLAMA_EXPERT_CACHE_MODE_OFF;
+            } else if (val == "emulate") {
+                cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE;
+            } else if (val == "engine") {
+                cfg.mode = LLAMA_EXPERT_CACHE_MODE_ENGINE;
+            } else {
+                return bad_value(err, key, val, "off, emulate, engine");
+            }
+        } else if (key == "rule") {
+            if      (val == "fetch-all")      { cfg.rule = LLAMA_EXPERT_MISS_FETCH_ALL; }
+            else if (val == "threshold")      { cfg.rule = LLAMA_EXPERT_MISS_THRESHOLD; }
+            else if (val == "first-choice")   { cfg.rule = LLAMA_EXPERT_MISS_FIRST_CHOICE; }
+            else if (val == "substitute-all") { cfg.rule = LLAMA_EXPERT_MISS_SUBSTITUTE_ALL; }
+            else if (val == "drop")           { cfg.rule = LLAMA_EXPERT_MISS_DROP; }
+            else {
+                return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop");
+            }
+            explicit_rule = true;
+        } else if (key == "tau") {
+            float v;
+            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
+                return bad_value(err, key, val, "a number in [0, 1]");
+            }
+            cfg.tau = v;
+        } else if (key == "evict") {
+            if      (val == "lfu") { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
+            else if (val == "lru") { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
+            else {
+                return bad_value(err, key, val, "lfu, lru");
+            }
+        } else if (key == "admit") {
+            float v;
+            if (val == "off") {
+                cfg.admit = false;
+            } else if (val == "on") {
+                cfg.admit = true;
+            } else if (parse_float(val, v) && v > 0.0f) {
+                cfg.admit = true;
+                cfg.beta  = v;
+            } else {
+                return bad_value(err, key, val, "off, on, or a threshold beta > 0");
+            }
+        } else if (key == "halve") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v > UINT32_MAX) {
+                return bad_value(err, key, val, "a number of tokens, 0 for never");
+            }
+            cfg.lfu_halve = (uint32_t) v;
+        } else if (key == "slots") {
+            if (!val.empty() && val.back() == '%') {
+                float v;
+                if (!parse_float(val.substr(0, val.size() - 1), v) || v <= 0.0f || v > 100.0f) {
+                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 25%");
+                }
+                cfg.slots_pct   = v;
+                cfg.slots_count = -1;
+            } else {
+                uint64_t v;
+                if (!parse_uint(val, v) || v == 0 || v > INT32_MAX) {
+                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 25%");
+                }
+                cfg.slots_count = (int32_t) v;
+            }
+        } else if (key == "vram" || key == "vram_reserve") {
+            uint64_t v;
+            if (!parse_size(val, v) || (key == "vram" && v == 0)) {
+                return bad_value(err, key, val, "a size in bytes with an optional K, M, G or T suffix, such as 24G");
+            }
+            (key == "vram" ? cfg.vram : cfg.vram_reserve) = v;
+        } else if (key == "bypass") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v == 1 || v > INT32_MAX) {
+                return bad_value(err, key, val, "a ubatch size of at least 2 tokens, 0 for never");
+            }
+            cfg.bypass = (uint32_t) v;
+        } else if (key == "group") {
+            uint64_t v;
+            if (val == "auto") {
+                cfg.group = -1;
+            } else if (parse_uint(val, v) && v <= 65536) {
+                cfg.group = (int32_t) v;
+            } else {
+                return bad_value(err, key, val, "a ubatch size in tokens (0 or 1: one-token ubatches only), or auto");
+            }
+        } else if (key == "async") {
+            if (val == "auto") {
+                cfg.async = LLAMA_EXPERT_ASYNC_AUTO;
+            } else if (val == "off") {
+                cfg.async = LLAMA_EXPERT_ASYNC_OFF;
+            } else if (val == "thread") {
+                cfg.async = LLAMA_EXPERT_ASYNC_THREAD;
+            } else {
+                return bad_value(err, key, val, "auto (a copy stream on GPUs), off (synchronous copies) or thread (a host copy thread, for RAM banks)");
+            }
+        } else if (key == "profile" || key == "profile_out" || key == "stats" || key == "trace") {
+            if (val.empty()) {
+                return bad_value(err, key, val, "a file path");
+            }
+            if (key == "profile")     { cfg.profile     = val; }
+            if (key == "profile_out") { cfg.profile_out = val; }
+            if (key == "stats")       { cfg.stats       = val; }
+            if (key == "trace")       { cfg.trace       = val; }
+        } else if (key == "trace_top") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v > 65536) {
+                return bad_value(err, key, val, "a count of router probabilities per token and layer");
+            }
+            cfg.trace_top = (uint32_t) v;
+        } else {
+            err = "unknown key '" + key + "' (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
+            return false;
+        }
+    }
+    if (explicit_rule) {
+        cfg.preset = "custom";
+    }
+    return true;
+}
+
+int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
+    if (cfg.slots_count >= 0) {
+        return cfg.slots_count;
+    }
+    const int32_t n = (int32_t) std::lround((double) n_expert * cfg.slots_pct / 100.0);
+    return std::max<int32_t>(1, std::min(n, n_expert));
+}
+
+//
+// statistics
+//
+
+void llama_expert_policy_stats::add(const llama_expert_policy_stats & o) {
+#define LLAMA_EXPERT_COUNTER_ADD(field, metric, help) field += o.field;
+    LLAMA_EXPERT_POLICY_COUNTERS(LLAMA_EXPERT_COUNTER_ADD)
+#undef LLAMA_EXPERT_COUNTER_ADD
+    subst_mass_sum          += o.subst_mass_sum;
+    drop_mass_sum           += o.drop_mass_sum;
+    max_subst_weight         = std::max(max_subst_weight, o.max_subst_weight);
+    for (int i = 0; i < LLAMA_EXPERT_MASS_HIST_BINS; ++i) {
+        mass_hist[i] += o.mass_hist[i];
+    }
+}
+
+//
+// layer policy
+//
+
+void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const llama_expert_cache_config & cfg) {
+    n_expert  = n_expert_;
+    n_slots   = std::min(n_slots_, n_expert_);
+    rule      = cfg.rule;
+    tau       = cfg.tau;
+    evict     = cfg.evict;
+    admit     = cfg.admit;
+    beta      = cfg.beta;
+    lfu_halve = cfg.lfu_halve;
+
+    initial.resize(n_slots);
+    for (int32_t s = 0; s < n_slots; ++s) {
+        initial[s] = s;
+    }
+    reset();
+}
+
+void llama_expert_layer_policy::set_initial(const std::vector<uint64_t> * counts) {
+    std::vector<int32_t> order(n_expert);
+    for (int32_t e = 0; e < n_expert; ++e) {
+        order[e] = e;
+    }
+    if (counts && (int32_t) counts->size() == n_expert) {
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+            return (*counts)[a] > (*counts)[b];
+        });
+    }
+    initial.assign(order.begin(), order.begin() + n_slots);
+    reset();
+}
+
+void llama_expert_layer_policy::reset() {
+    slot_of.assign(n_expert, -1);
+    expert_of.assign(n_slots, -1);
+    use_count.assign(n_expert, 0);
+    last_use.assign(n_expert, 0);
+    admit_acc.assign(n_expert, 0.0);
+    sel_total.assign(n_expert, 0);
+    sel_mark.assign(n_expert, 0);
+    sub_mark.assign(n_expert, 0);
+    hold_mark.assign(n_expert, 0);
+    group    = 0;
+    in_group = false;
+    cand.clear();
+    cand_tick = 0;
+    pending.clear();
+    tick  = 0;
+    stats = llama_expert_policy_stats();
+    for (int32_t s = 0; s < (int32_t) initial.size(); ++s) {
+        place(initial[s], s);
+    }
+}
+
+int32_t llama_expert_layer_policy::n_resident() const {
+    int32_t n = 0;
+    for (int32_t e : expert_of) {
+        n += e >= 0;
+    }
+    return n;
+}
+
+void llama_expert_layer_policy::place(int32_t e, int32_t slot) {
+    const int32_t old = expert_of[slot];
+    if (old >= 0) {
+        slot_of[old] = -1;
+    }
+    expert_of[slot] = e;
+    slot_of[e]      = slot;
+    admit_acc[e]    = 0.0;
+}
+
+int32_t llama_expert_layer_policy::find_slot() {
+    int32_t best    = -1;
+    int32_t best_e  = -1;
+    for (int32_t s = 0; s < n_slots; ++s) {
+        const int32_t e = expert_of[s];
+        if (e < 0) {
+            return s;
+        }
+        // never evict an expert used by the token being decided, or by an earlier token of the group
+        if (sel_mark[e] == tick || sub_mark[e] == tick || (in_group && hold_mark[e] == group)) {
+            continue;
+        }
+        if (best < 0) {
+            best = s; best_e = e;
+            continue;
+        }
+        bool better;
+        if (evict == LLAMA_EXPERT_EVICT_LFU) {
+            // least frequently used; ties: least recently used, then lowest id
+            better = use_count[e] < use_count[best_e] ||
+                (use_count[e] == use_count[best_e] && (last_use[e] < last_use[best_e] ||
+                    (last_use[e] == last_use[best_e] && e < best_e)));
+        } else {
+            // least recently used; ties: lowest id
+            better = last_use[e] < last_use[best_e] || (last_use[e] == last_use[best_e] && e < best_e);
+        }
+        if (better) {
+            best = s; best_e = e;
+        }
+    }
+    if (best >= 0) {
+        stats.evictions++;
+    }
+    return best;
+}
+
+int32_t llama_expert_layer_policy::find_substitute(const float * scores, bool allow_reuse) {
+    // Fast path: on the first substitution of a token, keep the best-scored resident experts that the token
+    // did not select, in order (score descending, then id ascending). Within the token no expert joins that
+    // set (a fetch loads a selected expert; admissions happen at the end of the token), experts only leave it
+    // (evicted, or used as a substitute), so the first one still valid is the argmax of the full scan below.
+    // When none of them is valid any more, fall back to the full scan.
+    const auto better = [scores](int32_t a, int32_t b) {
+        return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+    };
+    if (!allow_reuse && fast_substitute) {
+        if (cand_tick != tick) {
+            // insertion into a short sorted array of (score, id); most experts fail the first comparison
+            const int32_t cap = 8;
+            float   cs[cap];
+            int32_t ce[cap];
+            int32_t n = 0;
+            for (int32_t s = 0; s < n_slots; ++s) {
+                const int32_t e = expert_of[s];
+                if (e < 0 || sel_mark[e] == tick) {
+                    continue;
+                }
+                const float v = scores[e];
+                if (n == cap && !(v > cs[cap - 1] || (v == cs[cap - 1] && e < ce[cap - 1]))) {
+                    continue;
+                }
+                int32_t i = n < cap ? n++ : cap - 1;
+                while (i > 0 && (v > cs[i - 1] || (v == cs[i - 1] && e < ce[i - 1]))) {
+                    cs[i] = cs[i - 1];
+                    ce[i] = ce[i - 1];
+                    --i;
+                }
+                cs[i] = v;
+                ce[i] = e;
+            }
+            cand.assign(ce, ce + n);
+            cand_tick = tick;
+        }
+        for (int32_t e : cand) {
+            if (slot_of[e] >= 0 && sub_mark[e] != tick) {
+                return e;
+            }
+        }
+    }
+
+    int32_t best = -1;
+    for (int32_t s = 0; s < n_slots; ++s) {
+        const int32_t e = expert_of[s];
+        if (e < 0 || sel_mark[e] == tick || (!allow_reuse && sub_mark[e] == tick)) {
+            continue;
+        }
+        if (best < 0 || better(e, best)) {
+            best = e;
+        }
+    }
+    return best;
+}
+
+void llama_expert_layer_policy::begin_group() {
+    ++group;
+    in_group = true;
+}
+
+void llama_expert_layer_policy::end_group() {
+    in_group = false;
+}
+
+void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int32_t k, const float * scores,
+                                       int32_t * out_ids, uint8_t * out_actions) {
+    ++tick;
+    for (int32_t r = 0; r < k; ++r) {
+        sel_mark[ids[r]] = tick;
+    }
+
+    double mass      = 0.0;
+    double drop_mass = 0.0;
+
+    for (int32_t r = 0; r < k; ++r) {
+        const int32_t e = ids[r];
+        stats.calls++;
+        use_count[e]++;
+        sel_total[e]++;
+
+        if (slot_of[e] >= 0) {
+            stats.hits++;
+            last_use[e]    = tick;
+            out_ids[r]     = e;
+            out_actions[r] = LLAMA_EXPERT_ACTION_HIT;
+            continue;
+        }
+
+        stats.misses++;
+
+        if (rule == LLAMA_EXPERT_MISS_DROP) {
+            stats.drops++;
+            drop_mass     += w[r];
+            out_ids[r]     = e;
+            out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
+            continue;
+        }
+
+        bool want_fetch = false;
+        switch (rule) {
+            case LLAMA_EXPERT_MISS_FETCH_ALL:      want_fetch = true; break;
+            case LLAMA_EXPERT_MISS_THRESHOLD:      want_fetch = r == 0 || w[r] >= tau; break;
+            case LLAMA_EXPERT_MISS_FIRST_CHOICE:   want_fetch = r == 0; break;
+            case LLAMA_EXPERT_MISS_SUBSTITUTE_ALL: want_fetch = false; break;
+            case LLAMA_EXPERT_MISS_DROP:           break;
+        }
+
+        int32_t sub = -1;
+        if (!want_fetch) {
+            sub = find_substitute(scores, false);
+            // no resident expert available: fetch
+        }
+        if (sub < 0) {
+            const int32_t slot = find_slot();
+            if (slot >= 0) {
+                place(e, slot);
+                stats.fetches++;
+                last_use[e]    = tick;
+                out_ids[r]     = e;
+                out_actions[r] = LLAMA_EXPERT_ACTION_FETCH;
+                continue;
+            }
+            // every slot is in use by this token (only possible when n_slots is close to k):
+            // substitute, reusing a substitute of this token if needed
+            sub = find_substitute(scores, false);
+            if (sub < 0) {
+                sub = find_substitute(scores, true);
+            }
+            stats.forced_substitutions++;
+        }
+        if (sub < 0) {
+            // only possible with n_slots < k, which the configuration refuses: drop
+            stats.drops++;
+            drop_mass     += w[r];
+            out_ids[r]     = e;
+            out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
+            continue;
+        }
+        // substitute: the resident expert computes with the missed expert's gate weight
+        stats.substitutions++;
+        if (r == 0) {
+            stats.subst_first_choice++;
+        }
+        stats.max_subst_weight = std::max(stats.max_subst_weight, w[r]);
+        mass += w[r];
+        sub_mark[sub]  = tick;
+        last_use[sub]  = tick;
+        out_ids[r]     = sub;
+        out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
+
+        if (admit) {
+            admit_acc[e] += w[r];
+            if (admit_acc[e] >= beta) {
+                pending.push_back(e);
+            }
+        }
+    }
+
+    if (in_group) {
+        // the experts this token computes with stay resident until the group ends
+        for (int32_t r = 0; r < k; ++r) {
+            if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP) {
+                hold_mark[out_ids[r]] = group;
+            }
+        }
+    }
+
+    // background admission: the copy completes before the next token of this layer
+    for (int32_t e : pending) {
+        if (slot_of[e] >= 0) {
+            continue;
+        }
+        const int32_t slot = find_slot();
+        if (slot < 0) {
+            continue; // every slot in use by this token; the accumulator is kept, retried on the next substitution
+        }
+        place(e, slot);
+        last_use[e] = tick;
+        stats.admissions++;
+    }
+    pending.clear();
+
+    stats.token_layers++;
+    if (mass > 0.0) {
+        stats.token_layers_with_subst++;
+    }
+    stats.subst_mass_sum += mass;
+    stats.drop_mass_sum  += drop_mass;
+    int bin = (int) (mass * LLAMA_EXPERT_MASS_HIST_BINS);
+    bin = std::max(0, std::min(bin, LLAMA_EXPERT_MASS_HIST_BINS - 1));
+    stats.mass_hist[bin]++;
+
+    // LFU aging
+    if (evict == LLAMA_EXPERT_EVICT_LFU && lfu_halve > 0 && tick % lfu_halve == 0) {
+        for (auto & c : use_count) {
+            c >>= 1;
+        }
+    }
+}
+
+//
+// profiles
+//
+
+bool llama_expert_profile_read(const std::string & path, std::vector<std::vector<uint64_t>> & counts, std::string & err) {
+    std::ifstream f(path);
+    if (!f) {
+        err = "cannot open profile '" + path + "'";
+        return false;
+    }
+    std::string line;
+    if (!std::getline(f, line) || line.rfind("moe-expert-profile 1", 0) != 0) {
+        err = "profile '" + path + "' does not start with 'moe-expert-profile 1'";
+        return false;
+    }
+    counts.clear();
+    while (std::getline(f, line)) {
+        if (line.empty() || line[0] == '#') {
+            continue;
+        }
+        std::istringstream ss(line);
+        std::string tag;
+        int64_t il = -1, n = -1;
+        if (!(ss >> tag >> il >> n) || tag != "layer" || il < 0 || il > 100000 || n <= 0 || n > 1000000) {
+            err = "profile '" + path + "': bad line '" + line.substr(0, 60) + "'";
+            return false;
+        }
+        if ((int64_t) counts.size() <= il) {
+            counts.resize(il + 1);
+        }
+        auto & c = counts[il];
+        c.resize(n);
+        for (int64_t i = 0; i < n; ++i) {
+            if (!(ss >> c[i])) {
+                err = "profile '" + path + "': layer " + std::to_string(il) + " has fewer than " + std::to_string(n) + " counts";
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+bool llama_expert_profile_write(const std::string & path, const std::vector<const llama_expert_layer_policy *> & layers,
+                                const std::vector<int32_t> & layer_ids) {
+    FILE * f = std::fopen(path.c_str(), "w");
+    if (!f) {
+        return false;
+    }
+    std::fprintf(f, "moe-expert-profile 1\n");
+    for (size_t i = 0; i < layers.size(); ++i) {
+        const auto * lp = layers[i];
+        std::fprintf(f, "layer %d %d", layer_ids[i], lp->n_expert);
+        for (uint64_t c : lp->sel_total) {
+            std::fprintf(f, " %llu", (unsigned long long) c);
+        }
+        std::fprintf(f, "\n");
+    }
+    return std::fclose(f) == 0;
+}
+
+//
+// prefill bypass
+//
+
+// an invariant of the policy (the policy compiles without ggml, for its unit tests and llama-moe-sim)
+static void policy_check(bool ok, const char * what) {
+    if (!ok) {
+        fprintf(stderr, "expert policy: invariant violated: %s\n", what);
+        abort();
+    }
+}
+
+void llama_expert_policy_warm(llama_expert_layer_policy & p, const std::vector<uint32_t> & counts) {
+    const int32_t E = p.n_expert;
+    policy_check((int32_t) counts.size() == E, "one count per expert");
+
+    std::vector<int32_t> order(E);
+    for (int32_t e = 0; e < E; ++e) {
+        order[e] = e;
+        p.use_count[e] += counts[e];
+        p.sel_total[e] += counts[e];
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return counts[a] > counts[b]; });
+
+    std::vector<bool> want(E, false);
+    int32_t n_want = 0;
+    for (int32_t e : order) {
+        if (n_want == p.n_slots || counts[e] == 0) {
+            break;
+        }
+        want[e] = true;
+        ++n_want;
+    }
+
+    // victims: slots whose expert is not wanted, empty first, then lowest count, then least recently used
+    std::vector<int32_t> victims;
+    for (int32_t s = 0; s < p.n_slots; ++s) {
+        const int32_t e = p.expert_of[s];
+        if (e < 0 || !want[e]) {
+            victims.push_back(s);
+        }
+    }
+    std::stable_sort(victims.begin(), victims.end(), [&](int32_t a, int32_t b) {
+        const int32_t ea = p.expert_of[a], eb = p.expert_of[b];
+        if ((ea < 0) != (eb < 0)) {
+            return ea < 0;
+        }
+        if (ea < 0) {
+            return false;
+        }
+        if (counts[ea] != counts[eb]) {
+            return counts[ea] < counts[eb];
+        }
+        return p.last_use[ea] < p.last_use[eb];
+    });
+
+    size_t iv = 0;
+    for (int32_t e : order) {
+        if (!want[e]) {
+            break;
+        }
+        if (p.slot_of[e] >= 0) {
+            p.last_use[e] = p.tick;
+            continue;
+        }
+        policy_check(iv < victims.size(), "a victim slot for every wanted expert");
+        const int32_t s   = victims[iv++];
+        const int32_t old = p.expert_of[s];
+        if (old >= 0) {
+            p.slot_of[old] = -1;
+        }
+        p.expert_of[s]  = e;
+        p.slot_of[e]    = s;
+        p.admit_acc[e]  = 0.0;
+        p.last_use[e]   = p.tick;
+    }
+}

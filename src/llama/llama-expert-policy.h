@@ -1,0 +1,202 @@
+#pragma once
+
+// Expert residency policy for Mixture-of-Experts layers (moe-subst).
+//
+// Pure host-side logic with no ggml graph dependency, so that it can be unit tested alone and
+// replayed by a simulator on recorded router traces:
+//   - the configuration (one spec string, parsed in one place),
+//   - per MoE layer: a residency table (expert <-> slot), the miss rules, the substitute choice,
+//     eviction (LFU with periodic halving, or LRU), background admission, and statistics.
+//
+// Decisions are taken token by token in decode order and, within a token, rank by rank.
+
+#include "llama-expert-counters.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+enum llama_expert_cache_mode {
+    LLAMA_EXPERT_CACHE_MODE_OFF     = 0,
+    LLAMA_EXPERT_CACHE_MODE_EMULATE = 1,
+    LLAMA_EXPERT_CACHE_MODE_ENGINE  = 2, // real cache banks and copies (llama-expert-engine.h)
+};
+
+enum llama_expert_miss_rule {
+    LLAMA_EXPERT_MISS_FETCH_ALL      = 0, // fetch every miss
+    LLAMA_EXPERT_MISS_THRESHOLD      = 1, // fetch rank 0 or gate weight >= tau, substitute the rest
+    LLAMA_EXPERT_MISS_FIRST_CHOICE   = 2, // fetch only a missed rank 0, substitute the rest
+    LLAMA_EXPERT_MISS_SUBSTITUTE_ALL = 3, // substitute every miss
+    LLAMA_EXPERT_MISS_DROP           = 4, // give every miss gate weight 0 (a reference point)
+};
+
+enum llama_expert_evict {
+    LLAMA_EXPERT_EVICT_LFU = 0,
+    LLAMA_EXPERT_EVICT_LRU = 1,
+};
+
+// how engine mode copies background admissions
+enum llama_expert_async {
+    LLAMA_EXPERT_ASYNC_AUTO   = 0, // a copy stream where the device offers async copies and events, else off
+    LLAMA_EXPERT_ASYNC_OFF    = 1, // synchronous copies
+    LLAMA_EXPERT_ASYNC_THREAD = 2, // a host copy thread (banks in RAM)
+};
+
+// what happened to one selected expert of one token
+enum llama_expert_action {
+    LLAMA_EXPERT_ACTION_HIT        = 0,
+    LLAMA_EXPERT_ACTION_FETCH      = 1,
+    LLAMA_EXPERT_ACTION_SUBSTITUTE = 2,
+    LLAMA_EXPERT_ACTION_DROP       = 3,
+};
+
+#define LLAMA_EXPERT_MASS_HIST_BINS 20
+
+struct llama_expert_cache_config {
+    std::string spec; // the spec string as given
+
+    llama_expert_cache_mode mode = LLAMA_EXPERT_CACHE_MODE_OFF;
+    std::string             preset = "fetch-all";
+
+    llama_expert_miss_rule rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
+    float                  tau   = 0.15f;
+    llama_expert_evict     evict = LLAMA_EXPERT_EVICT_LRU;
+    bool                   admit = false;
+    float                  beta  = 0.5f;
+
+    // LFU: all use counts of a layer are halved every lfu_halve tokens of that layer (0: never)
+    uint32_t lfu_halve = 1024;
+
+    // residency: slots_count >= 0 wins, otherwise slots_pct percent of the layer's experts
+    int32_t slots_count = -1;
+    float   slots_pct   = 25.0f;
+
+    // residency by budget (mode engine or emulate): bytes of device memory for the non-expert weights, the
+    // context and the cache banks there; the slots per layer are computed to fit (wins over slots)
+    uint64_t vram         = 0;
+    uint64_t vram_reserve = 256ull << 20; // left for the compute buffers, which are sized later
+
+    // ubatches of at least this many tokens skip the policy: stock routing, then the residency is warmed
+    // with the ubatch's most selected experts (prefill); 0: never
+    uint32_t bypass = 0;
+
+    // ubatches of at most this many tokens compute from the cache banks together, their experts held resident
+    // for the whole ubatch (parallel sequences, speculative decoding), when group*k <= slots; -1: auto, the
+    // most that fit (slots / k); 0 or 1: one-token ubatches only. Larger ubatches use the full expert tensors.
+    int32_t group = -1;
+
+    // how engine mode copies background admissions: auto (a second backend instance with its own stream and
+    // an event per layer where the device offers them, else synchronous), off (synchronous), thread (a host
+    // thread, for banks in RAM: CPU builds, tests)
+    llama_expert_async async = LLAMA_EXPERT_ASYNC_AUTO;
+
+    std::string profile;     // initial residency from a profile file (see profile_out)
+    std::string profile_out; // write per-layer expert selection counts at the end
+    std::string stats;       // write statistics as JSON at the end
+    std::string trace;       // write a binary router trace
+    uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
+};
+
+// Parse a spec such as "mode=emulate,policy=quality,slots=25%".
+// Returns false and sets err (naming the bad key and the accepted values) on error.
+bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cache_config & cfg, std::string & err);
+
+// The number of slots per layer for a layer with n_expert experts.
+int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
+
+const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule);
+const char * llama_expert_evict_name(llama_expert_evict evict);
+const char * llama_expert_cache_mode_name(llama_expert_cache_mode mode);
+
+struct llama_expert_policy_stats {
+    // calls, hits, misses, fetches, substitutions, ...: the counter table in llama-expert-counters.h
+#define LLAMA_EXPERT_COUNTER_ZERO(field, metric, help) uint64_t field = 0;
+    LLAMA_EXPERT_POLICY_COUNTERS(LLAMA_EXPERT_COUNTER_ZERO)
+    double   subst_mass_sum          = 0.0; // sum over token-layers of the substituted gate mass
+    double   drop_mass_sum           = 0.0;
+    float    max_subst_weight        = 0.0f;
+    uint64_t mass_hist[LLAMA_EXPERT_MASS_HIST_BINS] = {}; // token-layers by substituted mass, bins of 1/N
+
+    void add(const llama_expert_policy_stats & other);
+};
+
+// The policy state of one MoE layer.
+struct llama_expert_layer_policy {
+    void init(int32_t n_expert, int32_t n_slots, const llama_expert_cache_config & cfg);
+
+    // initial residency from per-expert counts (the n_slots most used, ties: lowest id); null: first n_slots
+    void set_initial(const std::vector<uint64_t> * counts);
+
+    // back to the initial residency, clear counters, accumulators and statistics
+    void reset();
+
+    // Decide one token. ids: the k selected experts in router order (rank 0 first); w: their normalised
+    // gate weights; scores: router scores of all n_expert experts (only their order matters; used to
+    // choose substitutes). Writes the expert id to compute with (out_ids) and the action per rank.
+    void decide(const int32_t * ids, const float * w, int32_t k, const float * scores,
+                int32_t * out_ids, uint8_t * out_actions);
+
+    // A group of tokens computed together from the cache banks (a small multi-token ubatch): between
+    // begin_group() and end_group(), every expert a token of the group computes with stays resident until the
+    // group ends (no later token of the group evicts it), so that all of them are in the banks at once.
+    void begin_group();
+    void end_group();
+
+    bool    is_resident(int32_t e) const { return slot_of[e] >= 0; }
+    int32_t n_resident() const;
+
+    int32_t n_expert = 0;
+    int32_t n_slots  = 0;
+
+    llama_expert_miss_rule rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
+    float                  tau   = 0.15f;
+    llama_expert_evict     evict = LLAMA_EXPERT_EVICT_LRU;
+    bool                   admit = false;
+    float                  beta  = 0.5f;
+    uint32_t               lfu_halve = 1024;
+
+    // choose substitutes from a per-token list of the best candidates (same result as a full scan per
+    // substitution, which is what false does; kept for tests)
+    bool fast_substitute = true;
+
+    std::vector<int32_t> slot_of;   // expert -> slot, -1 if not resident
+    std::vector<int32_t> expert_of; // slot -> expert, -1 if empty
+
+    std::vector<uint32_t> use_count;  // LFU: router selections per expert (halved periodically)
+    std::vector<uint64_t> last_use;   // LRU: tick of the last use of a resident expert
+    std::vector<double>   admit_acc;  // admission: substituted gate mass per non-resident expert
+    std::vector<uint64_t> sel_total;  // router selections per expert, never halved (for profiles)
+
+    std::vector<int32_t> initial; // initial resident experts, by slot
+
+    llama_expert_policy_stats stats;
+
+    // per-token scratch
+    uint64_t tick = 0;
+    std::vector<uint64_t> sel_mark; // == tick: selected by the token being decided
+    std::vector<uint64_t> sub_mark; // == tick: used as a substitute by the token being decided
+    std::vector<uint64_t> hold_mark; // == group while in_group: computed with by a token of the current group
+    uint64_t              group    = 0;
+    bool                  in_group = false;
+    std::vector<int32_t>  pending;  // experts to admit at the end of the token
+    std::vector<int32_t>  cand;     // best-scored resident, non-selected experts of the token (built on demand)
+    uint64_t              cand_tick = 0;
+
+private:
+    int32_t find_slot(); // free slot or a victim not used by the current token; -1 if none
+    int32_t find_substitute(const float * scores, bool allow_reuse);
+    void    place(int32_t e, int32_t slot);
+};
+
+// Profile files: per-layer expert selection counts, text, one line per layer:
+//   moe-expert-profile 1
+//   layer <il> <n_expert> <count_0> ... <count_{n_expert-1}>
+bool llama_expert_profile_read(const std::string & path, std::vector<std::vector<uint64_t>> & counts, std::string & err);
+bool llama_expert_profile_write(const std::string & path, const std::vector<const llama_expert_layer_policy *> & layers,
+                                const std::vector<int32_t> & layer_ids);
+
+// Prefill bypass (`bypass=N`): after a ubatch computed with stock routing, make the counts' n_slots most
+// selected experts (counts > 0; ties: lowest id) resident, evicting experts outside that set (lowest count in
+// the ubatch first, then least recently used). The ubatch's selections also count for LFU. No statistics.
+void llama_expert_policy_warm(llama_expert_layer_policy & policy, const std::vector<uint32_t> & counts);

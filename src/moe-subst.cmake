@@ -1,0 +1,55 @@
+# moe-subst: compile the expert cache (the C++ of this repository's src/) into the patched llama.cpp targets.
+#
+# The patched tree's top-level CMakeLists.txt includes this file at its end (patch "cmake: compile
+# moe-subst's sources"), once every upstream target exists; build.sh passes -DMOE_SUBST_SOURCE_DIR=<repo>/src.
+# Upstream files get call sites only; their includes of our headers are set per source file, so that every
+# other object keeps the stock command line (and ccache shares it with the stock build).
+
+set(MOE_SUBST_SRC "${CMAKE_CURRENT_LIST_DIR}")
+
+# libllama: the residency policy, the route step (emulate and engine), the engine's banks and copies,
+# and the C API for applications (include/llama-expert-cache-api.h)
+target_sources(llama PRIVATE
+    ${MOE_SUBST_SRC}/llama/llama-expert-policy.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-engine.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp)
+set_source_files_properties(
+    ${MOE_SUBST_SRC}/llama/llama-expert-policy.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-engine.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp
+    ${PROJECT_SOURCE_DIR}/src/llama-context.cpp
+    ${PROJECT_SOURCE_DIR}/src/llama-graph.cpp
+    TARGET_DIRECTORY llama
+    PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/llama;${MOE_SUBST_SRC}/include")
+
+# llama-perplexity: the --nll-dump writer
+if (TARGET llama-perplexity-impl)
+    target_sources(llama-perplexity-impl PRIVATE ${MOE_SUBST_SRC}/tools/perplexity/nll-dump.cpp)
+    set_source_files_properties(
+        ${MOE_SUBST_SRC}/tools/perplexity/nll-dump.cpp
+        ${PROJECT_SOURCE_DIR}/tools/perplexity/perplexity.cpp
+        TARGET_DIRECTORY llama-perplexity-impl
+        PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/tools/perplexity")
+endif()
+
+# llama-server: /metrics and /props rows come from the C API
+if (TARGET server-context)
+    set_source_files_properties(
+        ${PROJECT_SOURCE_DIR}/tools/server/server-context.cpp
+        TARGET_DIRECTORY server-context
+        PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/include")
+endif()
+
+# llama-moe-sim: replays a router trace under any policy with the engine's own policy code
+if (LLAMA_BUILD_TOOLS AND TARGET llama-common)
+    add_executable(llama-moe-sim ${MOE_SUBST_SRC}/tools/moe-sim/moe-sim.cpp)
+    target_include_directories(llama-moe-sim PRIVATE
+        ${PROJECT_SOURCE_DIR}/src ${MOE_SUBST_SRC}/llama ${MOE_SUBST_SRC}/include)
+    target_link_libraries(llama-moe-sim PRIVATE llama ${CMAKE_THREAD_LIBS_INIT})
+    target_compile_features(llama-moe-sim PRIVATE cxx_std_17)
+    if (LLAMA_TOOLS_INSTALL)
+        install(TARGETS llama-moe-sim RUNTIME)
+    endif()
+endif()
