@@ -161,7 +161,7 @@ fi
 if [ "$only" != stock ]; then
     if [ ! -d "$patched_tree/.git" ] && [ -f "$patched_tree/.moe-subst-bundle" ]; then
         # a tree unpacked from scripts/gpu_bundle.sh's bundle: the series was applied where it was made
-        [ "$(cat "$patched_tree/.moe-subst-bundle")" = "$pin_id $pin_sha $("$root/scripts/patches.sh" hash)" ] \
+        [ "$(cat "$patched_tree/.moe-subst-bundle")" = "$pin_id $pin_sha $("$root/scripts/patches.sh" patches-hash)" ] \
             || die "vendor/llama.cpp-patched comes from a bundle of another patch series: make the bundle again (scripts/gpu_bundle.sh)"
         echo "build.sh: vendor/llama.cpp-patched from a bundle of the current series"
     else

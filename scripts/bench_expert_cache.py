@@ -68,7 +68,8 @@ def main() -> int:
     # 1. route-step cost: the real route op of libllama called directly (scripts/bench_route_step.cpp)
     tree = ROOT / "vendor" / "llama.cpp-patched"
     exe = tmp / "bench_route_step"
-    subprocess.run(["c++", "-O2", "-std=c++17", f"-I{tree}/include", f"-I{tree}/ggml/include", f"-I{tree}/src", f"-I{ROOT}/src/llama", f"-I{ROOT}/src/include",
+    subprocess.run(["c++", "-O2", "-std=c++17", f"-I{tree}/include", f"-I{tree}/ggml/include", f"-I{tree}/src",
+                    f"-I{ROOT}/src/llama", f"-I{ROOT}/src/include",
                     str(ROOT / "scripts" / "bench_route_step.cpp"), f"-L{patched.bin_dir}", "-lllama", "-lggml",
                     "-lggml-base", f"-Wl,-rpath,{patched.bin_dir}", "-o", str(exe)], check=True)
     route: list[dict[str, object]] = []

@@ -30,7 +30,7 @@ done
 pin="llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION $LLAMA_CPP_PYTHON_SHA256"
 [ "$(cat vendor/llama.cpp/.moe-subst-pin 2>/dev/null)" = "$pin" ] || die "no vendor/llama.cpp of the pin: run ./build.sh first"
 [ -d vendor/llama.cpp-patched/.git ] || die "no vendor/llama.cpp-patched: run ./build.sh first"
-series=$("$root/scripts/patches.sh" hash)
+series=$("$root/scripts/patches.sh" patches-hash)
 applied=$(sed -n 1p vendor/llama.cpp-patched/.git/moe-subst-applied 2>/dev/null || true)
 [ "$applied" = "$pin $series" ] || die "vendor/llama.cpp-patched is not the current series ($series): run ./build.sh"
 [ -z "$(git -C vendor/llama.cpp-patched status --porcelain --untracked-files=no)" ] \

@@ -4,7 +4,8 @@
 #   scripts/patches.sh apply [--force]  (re)make vendor/llama.cpp-patched: pristine tree + patches/*.patch
 #   scripts/patches.sh export           write patches/ from the commits of vendor/llama.cpp-patched
 #   scripts/patches.sh check            prove the series applies to a pristine tree and round-trips
-#   scripts/patches.sh hash             print the patch-series hash (as the harness reports it)
+#   scripts/patches.sh hash             print the patch-series hash (patches + src/, as the harness reports it)
+#   scripts/patches.sh patches-hash     print the hash of the patches alone (what vendor/llama.cpp-patched is made from)
 #
 # vendor/llama.cpp-patched is a git repository: one commit with the pristine tree, tagged
 # moe-subst-base, then one commit per patch. Work there, commit, then export; never edit patches/ by hand.
@@ -172,5 +173,6 @@ case "${1:-}" in
     export) cmd_export ;;
     check)  cmd_check ;;
     hash)   series_hash ;;
-    *) echo "usage: scripts/patches.sh apply [--force] | export | check | hash" >&2; exit 2 ;;
+    patches-hash) patches_hash ;;
+    *) echo "usage: scripts/patches.sh apply [--force] | export | check | hash | patches-hash" >&2; exit 2 ;;
 esac

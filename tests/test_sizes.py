@@ -1,5 +1,10 @@
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 
+from harness import project
 from harness.errors import HarnessError
 from harness.sizes import format_bytes, parse_size
 
@@ -47,3 +52,32 @@ def test_format_bytes() -> None:
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(24 * 2**30) == "24 GiB"
     assert format_bytes(300 * 2**20) == "300 MiB"
+
+
+def test_cache_spec_parses_sizes_like_the_harness(tmp_path: Path) -> None:
+    """One size grammar on both sides: vram=/vram_reserve= in the cache spec (C++) take exactly the bytes that
+    the harness's --vram takes (harness/sizes.py), and refuse the same inputs."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = project.project_root() / "src"
+    exe = tmp_path / "spec_size"
+    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{src / 'llama'}", f"-I{src / 'include'}",
+                    str(project.project_root() / "tests" / "cpp" / "spec_size.cpp"),
+                    str(src / "llama" / "llama-expert-policy.cpp"), "-o", str(exe)], check=True)
+    cases = ["24G", "24GiB", "24GB", "24gb", "24g", "512M", "512MiB", "512MB", "1.5G", "1.5GB", "0.5T", "2TiB",
+             "1TB", "4096", "4096B", "64K", "64KiB", "64KB", "20M", "3.25M", "7", "24X", "G", "", "1..5G", ".5G",
+             "5.G", "-1G", "24 G", "25%", "1e3", "0x10"]
+    out = subprocess.run([str(exe), *cases], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert len(out) == len(cases)
+    for case, cpp in zip(cases, out, strict=True):
+        try:
+            size = parse_size(case, allow_percent=False)
+            py = str(size.bytes)
+        except HarnessError:
+            py = "error"
+        if case == "24 G":
+            # the spec has no spaces inside a value (items are trimmed); the harness tolerates them
+            assert cpp == "error" and py == str(24 << 30)
+            continue
+        assert cpp == py, f"vram={case}: spec {cpp}, harness {py}"

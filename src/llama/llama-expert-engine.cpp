@@ -570,6 +570,11 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
             (fixed - weights - context - reserve + (uint64_t) k*per_slot)/MiB, std::ceil(minimum/MiB)));
     }
     const int32_t n_slots = (int32_t) std::min<uint64_t>((uint64_t) n_expert, (vram - fixed)/per_slot);
+    // the same arithmetic in exact bytes, for the harness (harness plan: one formula on both sides, tested)
+    LLAMA_LOG_INFO("%s: expert cache plan: vram=%llu weights=%llu context=%llu reserve=%llu per_slot=%llu banks=%llu "
+        "n_expert=%d k=%d slots=%d\n", __func__, (unsigned long long) vram, (unsigned long long) weights,
+        (unsigned long long) context, (unsigned long long) reserve, (unsigned long long) per_slot,
+        (unsigned long long) n_banks, n_expert, k, n_slots);
     LLAMA_LOG_INFO("%s: vram budget %.1f MiB: weights %.1f MiB + context %.1f MiB + compute reserve %.1f MiB + cache "
         "banks %d slots x %.2f MiB (+1 spare) = %.1f MiB; %d of %d experts resident per layer (%.1f%%)\n", __func__,
         vram/MiB, weights/MiB, context/MiB, reserve/MiB, n_slots, per_slot/MiB,

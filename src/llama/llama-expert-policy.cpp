@@ -66,30 +66,41 @@ static bool parse_uint(const std::string & s, uint64_t & out) {
     return true;
 }
 
-// a size in bytes, with an optional K, M, G or T suffix (powers of 1024), e.g. 24G
+// A size as the harness parses it (harness/sizes.py; tests/test_sizes.py proves both agree): a number, then an
+// optional unit, case-insensitive: none or B (bytes), K M G T and KiB MiB GiB TiB (powers of 1024: a "24G" card
+// has 24 GiB), KB MB GB TB (powers of 1000). E.g. 24G, 24GiB, 24GB, 512M, 1.5G, 123456.
 static bool parse_size(const std::string & s, uint64_t & out) {
-    if (s.empty()) {
+    size_t n = 0;
+    while (n < s.size() && (std::isdigit((unsigned char) s[n]) || s[n] == '.')) {
+        ++n;
+    }
+    std::string unit = s.substr(n);
+    for (char & c : unit) {
+        c = (char) std::toupper((unsigned char) c);
+    }
+    static const struct { const char * name; double mult; } units[] = {
+        { "",    1.0 }, { "B",   1.0 },
+        { "K",   1024.0 }, { "KIB", 1024.0 }, { "M",   1048576.0 }, { "MIB", 1048576.0 },
+        { "G",   1073741824.0 }, { "GIB", 1073741824.0 }, { "T",   1099511627776.0 }, { "TIB", 1099511627776.0 },
+        { "KB",  1e3 }, { "MB",  1e6 }, { "GB",  1e9 }, { "TB",  1e12 },
+    };
+    double mult = 0.0;
+    for (const auto & u : units) {
+        if (unit == u.name) {
+            mult = u.mult;
+        }
+    }
+    const std::string num = s.substr(0, n);
+    if (num.empty() || mult == 0.0 || num.front() == '.' || num.back() == '.' || num.find('.') != num.rfind('.')) {
         return false;
-    }
-    uint64_t mult = 1;
-    std::string num = s;
-    switch (std::toupper((unsigned char) s.back())) {
-        case 'K': mult = 1ull << 10; break;
-        case 'M': mult = 1ull << 20; break;
-        case 'G': mult = 1ull << 30; break;
-        case 'T': mult = 1ull << 40; break;
-        default: break;
-    }
-    if (mult > 1) {
-        num.pop_back();
     }
     char * end = nullptr;
     errno = 0;
     const double d = std::strtod(num.c_str(), &end);
-    if (num.empty() || errno != 0 || *end != '\0' || !std::isfinite(d) || d < 0.0 || d * mult > 1.8e19) {
+    if (errno != 0 || *end != '\0' || !std::isfinite(d) || d < 0.0 || d * mult > 1.8e19) {
         return false;
     }
-    out = (uint64_t) (d * (double) mult);
+    out = (uint64_t) (d * mult);
     return true;
 }
 
@@ -238,7 +249,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         } else if (key == "vram" || key == "vram_reserve") {
             uint64_t v;
             if (!parse_size(val, v) || (key == "vram" && v == 0)) {
-                return bad_value(err, key, val, "a size in bytes with an optional K, M, G or T suffix, such as 24G");
+                return bad_value(err, key, val, "a size such as 24G or 24GiB (binary), 24GB (decimal), 512M or a number of bytes");
             }
             (key == "vram" ? cfg.vram : cfg.vram_reserve) = v;
         } else if (key == "bypass") {
