@@ -1,4 +1,4 @@
-"""harness.compare with a fake runner: run order, interleaving, resume, Ctrl-C, budget verification."""
+"""harness.orchestration.compare with a fake runner: run order, interleaving, resume, Ctrl-C, budget verification."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.compare import (
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.core.records import Provenance, ResultsFile
+from harness.core.sizes import Size
+from harness.orchestration.compare import (
     CompareOptions,
     Environment,
     compare,
@@ -20,15 +24,11 @@ from harness.compare import (
     run_compare,
     verify_budget,
 )
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.gguf_model import ExpertTensor, ModelInfo
 from harness.parsers import BenchResult, PerplexityResult
 from harness.parsers.cache_stats import CacheStats
-from harness.project import Build
-from harness.results import Provenance, ResultsFile
-from harness.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput, ToolCrashedError
-from harness.sizes import Size
+from harness.parsers.gguf_model import ExpertTensor, ModelInfo
+from harness.parsers.nll_dump import NllDump
+from harness.tools.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput, ToolCrashedError
 
 MiB = 2**20
 N_TOK = 200

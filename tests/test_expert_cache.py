@@ -22,15 +22,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.expert_trace import (
+from harness.core.project import Build
+from harness.parsers.nll_dump import (
     ACTION_FETCH,
     ACTION_HIT,
     ACTION_SUBSTITUTE,
     read_expert_trace,
     read_nll_dump_file,
 )
-from harness.project import Build
-from harness.synth import ARCHS, SynthSpec, synth_text, write_synth_model
+from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_synth_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHED_SRC = ROOT / "vendor" / "llama.cpp-patched" / "src"

@@ -1,7 +1,7 @@
 import pytest
 
-from harness.errors import HarnessError
-from harness.sizes import format_bytes, parse_size
+from harness.core.errors import HarnessError
+from harness.core.sizes import format_bytes, parse_size
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""harness.trace: the router trace writer round-trips through the reader, header checks, recorded-action
+"""harness.parsers.trace: the router trace writer round-trips through the reader, header checks, recorded-action
 counts, synthetic traces; and (build) a trace the engine wrote agrees with the engine's statistics."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.errors import HarnessError
-from harness.expert_trace import ACTION_FETCH, ACTION_HIT, ACTION_SUBSTITUTE, ExpertTrace, trace_dtype
-from harness.project import Build
-from harness.synth import SynthSpec, synth_text, write_synth_model
-from harness.trace import (
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.parsers.nll_dump import ACTION_FETCH, ACTION_HIT, ACTION_SUBSTITUTE, ExpertTrace, trace_dtype
+from harness.parsers.trace import (
     decode_order,
     read_expert_trace,
     read_trace_header,
@@ -23,6 +22,7 @@ from harness.trace import (
     synthetic_trace,
     write_expert_trace,
 )
+from harness.tools.synth import SynthSpec, synth_text, write_synth_model
 
 
 def small_trace() -> ExpertTrace:

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from harness.errors import HarnessError
-from harness.gguf_model import ModelInfo
+from harness.core.errors import HarnessError
+from harness.parsers.gguf_model import ModelInfo
 
 GB = 1e9
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 _BINARY = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30,
            "T": 2**40, "TIB": 2**40}

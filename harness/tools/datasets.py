@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3")
 DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_k")

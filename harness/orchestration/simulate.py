@@ -3,7 +3,7 @@
 A router trace (`trace=PATH` in the cache spec, recorded by the patched engine) is replayed by
 `llama-moe-sim` (patched build) under each policy x residency; the tool runs the engine's own cache code and
 writes the engine's statistics JSON. From the statistics (fetches and admissions per token) the cost model
-(harness.costmodel) estimates the decode time per token on a hardware profile, against fetch-every-miss at
+(harness.domain.costmodel) estimates the decode time per token on a hardware profile, against fetch-every-miss at
 the same residency and against stock llama.cpp given the same device memory (the non-expert weights plus
 the cache's slots), whose experts that do not fit run on the CPU. **Every time and speed-up here is an
 ESTIMATE** from the profile's constants, not a measurement.
@@ -27,8 +27,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.compare import POLICIES
-from harness.costmodel import (
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.domain.costmodel import (
     Profile,
     TokenWork,
     cache_work,
@@ -40,13 +41,12 @@ from harness.costmodel import (
     stock_gpu_moe_layers,
     stock_work,
 )
-from harness.errors import HarnessError
-from harness.gguf_model import ModelInfo
+from harness.orchestration.compare import POLICIES
 from harness.parsers import ParseError
 from harness.parsers.cache_stats import CacheStats, parse_cache_stats
-from harness.project import Build
-from harness.runners import run_tool
-from harness.trace import read_trace_header
+from harness.parsers.gguf_model import ModelInfo
+from harness.parsers.trace import read_trace_header
+from harness.tools.runners import run_tool
 
 SIM_TOOL = "llama-moe-sim"
 BASELINE = "fetch-all"
@@ -162,7 +162,7 @@ def residency_slots(residency: str, n_expert: int) -> int:
 
 
 def sim_spec(policy: str, residency: str) -> str:
-    """The cache spec of a named policy (harness.compare.POLICIES) at a residency ("25%" or a slot count)."""
+    """The cache spec of a named policy (the policy catalogue) at a residency ("25%" or a slot count)."""
     if policy not in POLICIES:
         raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
     items = [*POLICIES[policy], ("slots", check_residency(residency))]
@@ -309,8 +309,8 @@ class SimulateOptions:
 
 def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> list[SimRow]:
     """The `harness simulate` entry point: model info, the patched build's llama-moe-sim, run_simulate."""
-    from harness.gguf_model import read_model_info
-    from harness.project import get_build
+    from harness.core.project import get_build
+    from harness.parsers.gguf_model import read_model_info
 
     if not opts.trace.is_file():
         raise HarnessError(f"no trace at {opts.trace}: record one with LLAMA_MOE_CACHE=...,trace=FILE")

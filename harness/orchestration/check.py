@@ -16,10 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import project
-from harness.compare import FULL, CompareOptions, CompareResult, Environment, Progress, _no_progress, compare
-from harness.errors import HarnessError
-from harness.runners import Runner
+from harness.core import project
+from harness.core.errors import HarnessError
+from harness.orchestration.compare import (
+    FULL,
+    CompareOptions,
+    CompareResult,
+    Environment,
+    Progress,
+    _no_progress,
+    compare,
+)
+from harness.tools.runners import Runner
 
 SCHEMA = "moe-subst/ppl-baseline"
 SCHEMA_VERSION = 1

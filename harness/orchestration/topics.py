@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness import project
-from harness.compare import (
+from harness.core import project
+from harness.core.errors import HarnessError
+from harness.core.records import ResultsFile
+from harness.orchestration.compare import (
     FULL,
     POLICIES,
     Environment,
@@ -35,12 +37,10 @@ from harness.compare import (
     options_json,
     policy_cache_spec,
 )
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.gguf_model import ModelInfo
-from harness.results import ResultsFile
-from harness.runners import CacheSpec, PerplexityRequest, Placement, Runner
-from harness.stats import DeltaPPL, paired_delta_ppl
+from harness.parsers.gguf_model import ModelInfo
+from harness.parsers.nll_dump import NllDump
+from harness.stats.intervals import DeltaPPL, paired_delta_ppl
+from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
 
 DEFAULT_TEXT = Path("eval/data/topic-shift.txt")
 
@@ -225,9 +225,9 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
 def topic_shift(opts: TopicOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
                 env: Environment | None = None) -> TopicResult:
     """`harness topics`: run (or resume) the three runs, write report.md."""
-    from harness.gguf_model import read_model_info
-    from harness.report import render_topics_markdown
-    from harness.runners import ToolRunner
+    from harness.parsers.gguf_model import read_model_info
+    from harness.report.markdown import render_topics_markdown
+    from harness.tools.runners import ToolRunner
 
     opts = replace(opts, model=opts.model or default_model())
     assert opts.model is not None

@@ -20,7 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.compare import (
+from harness.core.errors import HarnessError
+from harness.core.records import ResultsFile
+from harness.core.sizes import Size
+from harness.orchestration.compare import (
     CompareOptions,
     CompareResult,
     Environment,
@@ -29,14 +32,11 @@ from harness.compare import (
     compare,
     load_nlls,
 )
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump, read_nll_dump_file
-from harness.results import ResultsFile
-from harness.runners import Runner
-from harness.sizes import Size
-from harness.stats import DeltaPPL, paired_delta_ppl
-from harness.sweep import SweepGrid, SweepOptions, SweepResult, sweep
-from harness.topics import TopicOptions, TopicResult, topic_shift
+from harness.orchestration.sweep import SweepGrid, SweepOptions, SweepResult, sweep
+from harness.orchestration.topics import TopicOptions, TopicResult, topic_shift
+from harness.parsers.nll_dump import NllDump, read_nll_dump_file
+from harness.stats.intervals import DeltaPPL, paired_delta_ppl
+from harness.tools.runners import Runner
 
 POLICIES = ("fetch-all", "rule-0.15", "substitute-all", "first-choice", "quality", "speed")
 
@@ -156,7 +156,7 @@ def policy_pairs(nll: dict[str, NllDump], pairs: list[tuple[str, str]], *, seed:
 def study(opts: StudyOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
           env: Environment | None = None) -> StudyResult:
     """Run (or resume) the three parts and decide the verdicts; writes report.md in opts.out."""
-    from harness.report import render_study_markdown
+    from harness.report.markdown import render_study_markdown
 
     if not 0 < opts.residency <= 1:
         raise HarnessError(f"the residency must be in (0, 100]%, got {opts.residency * 100:g}%")

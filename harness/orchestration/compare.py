@@ -2,8 +2,8 @@
 
 Orchestration only: plans the runs from GGUF metadata, runs them through an injected `Runner`
 (interleaving stock and patched repetitions), appends one JSON Lines record per finished run, skips runs
-already recorded (resume), and computes the summary with `harness.stats`. Rendering is in
-`harness.report`.
+already recorded (resume), and computes the summary with `harness.stats.intervals`. Rendering is in
+`harness.report.markdown`.
 
 Runs (keys are the resume keys):
 - quality, on the same text and tokens: `ppl:full` (patched build, cache off: the full model),
@@ -26,24 +26,16 @@ from typing import Any
 
 import psutil
 
-from harness import project
-from harness.costmodel import cache_work, estimate, load_profile, stock_gpu_moe_layers, stock_work
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.gguf_model import ModelInfo
+from harness.core import project
+from harness.core.errors import HarnessError
+from harness.core.records import Provenance, ResultsFile, make_record, utc_now
+from harness.core.sizes import Size, format_bytes
+from harness.domain.costmodel import cache_work, estimate, load_profile, stock_gpu_moe_layers, stock_work
+from harness.domain.plan import SlotPlan, budget_bytes, plan_slots
 from harness.parsers.cache_stats import CacheStats
-from harness.plan import SlotPlan, budget_bytes, plan_slots
-from harness.results import Provenance, ResultsFile, make_record, utc_now
-from harness.runners import (
-    BenchRequest,
-    CacheSpec,
-    PerplexityRequest,
-    Placement,
-    Runner,
-    ToolCrashedError,
-)
-from harness.sizes import Size, format_bytes
-from harness.stats import (
+from harness.parsers.gguf_model import ModelInfo
+from harness.parsers.nll_dump import NllDump
+from harness.stats.intervals import (
     DeltaPPL,
     MeanCI,
     RatioCI,
@@ -51,6 +43,14 @@ from harness.stats import (
     paired_delta_ppl,
     ratio_ci,
     spread_warnings,
+)
+from harness.tools.runners import (
+    BenchRequest,
+    CacheSpec,
+    PerplexityRequest,
+    Placement,
+    Runner,
+    ToolCrashedError,
 )
 
 DEFAULT_RESIDENCY = Size(fraction=0.25)
@@ -315,7 +315,7 @@ class QualityRow:
 
 @dataclass(frozen=True)
 class EstimateRow:
-    """Estimated decode speed from the cost model (harness.costmodel): an estimate, not a measurement."""
+    """Estimated decode speed from the cost model (harness.domain.costmodel): an estimate, not a measurement."""
 
     config: str
     ms_per_token: float
@@ -448,7 +448,7 @@ class Environment:
         return Provenance(pin.name, pin.sha256, project.patch_series_hash(), binaries, backend, gpu, argv, utc_now())
 
     def gpu(self) -> str:
-        from harness.runners import gpu_name
+        from harness.tools.runners import gpu_name
 
         return gpu_name()
 
@@ -670,8 +670,8 @@ def _size(d: Any) -> Size | None:
 def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
     """A comparison re-read from its results folder (for `harness report`); nothing is run. The model file
     is read again for the plan (`model` overrides a moved one)."""
-    from harness.expert_trace import read_nll_dump_file
-    from harness.gguf_model import read_model_info
+    from harness.parsers.gguf_model import read_model_info
+    from harness.parsers.nll_dump import read_nll_dump_file
 
     results = ResultsFile(out / "results.jsonl")
     meta = read_meta(results, "compare")
@@ -714,11 +714,11 @@ def default_model(root: Path | None = None) -> Path:
 
 
 def resolve_text(text: Path | None, dataset: str | None, root: Path | None = None) -> Path:
-    """--text FILE, or --dataset NAME (fetched once and cached, see harness.datasets), or the held-out text."""
+    """--text FILE, or --dataset NAME (fetched once and cached, see harness.tools.datasets), or the held-out text."""
     if text is not None and dataset is not None:
         raise HarnessError("pass either --text or --dataset, not both")
     if dataset is not None:
-        from harness.datasets import dataset_text
+        from harness.tools.datasets import dataset_text
 
         return dataset_text(dataset)
     path = text if text is not None else (root or project.project_root()) / DEFAULT_TEXT
@@ -736,9 +736,9 @@ def compare(opts: CompareOptions, progress: Progress = _no_progress, *, runner: 
     results.jsonl. `opts.model` and `opts.text` may be None for the defaults."""
     from dataclasses import replace
 
-    from harness.gguf_model import read_model_info
-    from harness.report import render_compare_markdown
-    from harness.runners import ToolRunner
+    from harness.parsers.gguf_model import read_model_info
+    from harness.report.markdown import render_compare_markdown
+    from harness.tools.runners import ToolRunner
 
     model = opts.model or default_model()
     text = resolve_text(opts.text, opts.dataset) if opts.quality else None

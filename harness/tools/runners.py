@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump, read_nll_dump_file
+from harness.core.errors import HarnessError
+from harness.core.project import Build, with_log_drain
 from harness.parsers import (
     BenchResult,
     MemoryBreakdown,
@@ -32,7 +32,7 @@ from harness.parsers import (
     tail,
 )
 from harness.parsers.cache_stats import CacheStats, parse_cache_stats
-from harness.project import Build, with_log_drain
+from harness.parsers.nll_dump import NllDump, read_nll_dump_file
 
 CACHE_ENV_VAR = "LLAMA_MOE_CACHE"  # docs/expert-cache.md
 CACHE_MODES = ("off", "emulate", "engine")  # engine: part 2 of the cache, not in every patched build yet

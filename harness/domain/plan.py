@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import HarnessError
-from harness.gguf_model import ModelInfo
-from harness.sizes import Size, format_bytes
+from harness.core.errors import HarnessError
+from harness.core.sizes import Size, format_bytes
+from harness.parsers.gguf_model import ModelInfo
 
 
 @dataclass(frozen=True)

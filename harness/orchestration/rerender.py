@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rich.console import Group
 
-from harness.compare import read_meta, reload_compare
-from harness.errors import HarnessError
-from harness.report import render_compare, render_compare_markdown, render_sweep, render_sweep_markdown
-from harness.results import ResultsFile
-from harness.sweep import reload_sweep
+from harness.core.errors import HarnessError
+from harness.core.records import ResultsFile
+from harness.orchestration.compare import read_meta, reload_compare
+from harness.orchestration.sweep import reload_sweep
+from harness.report.markdown import render_compare, render_compare_markdown, render_sweep, render_sweep_markdown
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def rerender(out: Path, *, model: Path | None = None, plots: bool = False) -> Re
         s = reload_sweep(folder, model=model)
         terminal, md = render_sweep(s), render_sweep_markdown(s)
         if plots:
-            from harness.plots import write_sweep_plots
+            from harness.report.plots import write_sweep_plots
 
             figures, notes = write_sweep_plots(s, folder / "plots")
     else:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 TRACE_MAGIC = b"MOETRACE"
 TRACE_VERSION = 1

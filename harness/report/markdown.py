@@ -11,13 +11,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from harness.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
-from harness.project import project_root
-from harness.sizes import format_bytes
-from harness.stats import DeltaPPL
-from harness.study import StudyResult
-from harness.sweep import SweepResult, SweepRow
-from harness.topics import TopicResult
+from harness.core.project import project_root
+from harness.core.sizes import format_bytes
+from harness.orchestration.compare import FULL, STOCK, ComparePlan, CompareResult, EstimateRow, QualityRow, SpeedRow
+from harness.orchestration.study import StudyResult
+from harness.orchestration.sweep import SweepResult, SweepRow
+from harness.orchestration.topics import TopicResult
+from harness.stats.intervals import DeltaPPL
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:

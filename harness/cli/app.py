@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -21,7 +21,8 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from harness import doctor, render
+    from harness.orchestration import doctor
+    from harness.report import terminal as render
 
     diagnosis = doctor.diagnose()
     console.print(render.render_doctor(diagnosis))
@@ -29,7 +30,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from harness import gguf_model, plan, render, sizes
+    from harness.core import sizes
+    from harness.domain import plan
+    from harness.parsers import gguf_model
+    from harness.report import terminal as render
 
     info = gguf_model.read_model_info(args.model)
     slot_plan = None
@@ -41,7 +45,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from harness import synth
+    from harness.tools import synth
 
     spec = synth.SynthSpec(arch=args.arch, n_layer=args.layers, n_expert=args.experts,
                            n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff,
@@ -57,7 +61,9 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness import compare, project, report, sizes
+    from harness.core import project, sizes
+    from harness.orchestration import compare
+    from harness.report import markdown as report
 
     opts = compare.CompareOptions(
         out=args.out or project.project_root() / "results" / f"compare-{(args.model or compare.default_model()).stem}",
@@ -84,7 +90,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.compare import KNOWN_POLICIES
+    from harness.orchestration.compare import KNOWN_POLICIES
 
     c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
     c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
@@ -125,7 +131,9 @@ def _words(text: str) -> tuple[str, ...]:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness import project, report, sweep
+    from harness.core import project
+    from harness.orchestration import sweep
+    from harness.report import markdown as report
 
     grid = sweep.SweepGrid(rules=_words(args.rules), taus=_floats(args.taus), admits=_words(args.admits),
                            evicts=_words(args.evicts), fractions=tuple(f / 100 for f in _floats(args.residency)))
@@ -167,7 +175,8 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from harness import check, project
+    from harness.core import project
+    from harness.orchestration import check
 
     opts = check.CheckOptions(baseline=args.baseline, out=args.out or project.project_root() / "results" / "check",
                               update=args.update, tolerance_pct=args.tolerance, policies=_words(args.policies),
@@ -182,7 +191,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from harness import rerender
+    from harness.orchestration import rerender
 
     r = rerender.rerender(args.results, model=args.model, plots=args.plots)
     console.print(r.terminal)
@@ -220,7 +229,9 @@ def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParse
 def _cmd_topics(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
-    from harness import project, report, topics
+    from harness.core import project
+    from harness.orchestration import topics
+    from harness.report import markdown as report
 
     opts = topics.TopicOptions(out=args.out or project.project_root() / "results" / "topics", model=args.model,
                                text=args.text, tokenizer=args.tokenizer, policy=args.policy,
@@ -250,7 +261,9 @@ def _add_topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _cmd_study(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
-    from harness import project, report, study
+    from harness.core import project
+    from harness.orchestration import study
+    from harness.report import markdown as report
 
     opts = study.StudyOptions(out=args.out or project.project_root() / "results" / "study", model=args.model,
                               text=args.text, residency=args.residency / 100, n_ctx=args.ctx,
@@ -282,7 +295,7 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 # ---- simulate, calibrate (issue 7: harness/simulate.py) ---------------------------------------------------------
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from harness import simulate
+    from harness.orchestration import simulate
 
     opts = simulate.SimulateOptions(
         trace=args.trace, model=args.model,
@@ -295,7 +308,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from harness import simulate
+    from harness.orchestration import simulate
 
     fit = simulate.run_calibrate(args.runs, args.base, args.output, args.name)
     print(simulate.render_profile(fit) + f"wrote {args.output}")
@@ -303,8 +316,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.compare import KNOWN_POLICIES
-    from harness.costmodel import list_profiles
+    from harness.domain.costmodel import list_profiles
+    from harness.orchestration.compare import KNOWN_POLICIES
 
     s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
                        "(cost model: estimates, not measurements)")

@@ -1,6 +1,6 @@
 """Router traces of the expert cache (`trace=PATH` in the cache spec; format: docs/expert-cache.md).
 
-Reading is `harness.expert_trace.read_expert_trace` (header + numpy structured records); this module adds
+Reading is `harness.parsers.nll_dump.read_expert_trace` (header + numpy structured records); this module adds
 what the simulator and its tests need around it: the header alone, a writer (the exact byte layout the
 engine writes, so traces round-trip), decode order, counts of the recorded actions, and synthetic traces
 with a skewed, drifting expert popularity for benchmarks of `llama-moe-sim`.
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from harness.errors import HarnessError
-from harness.expert_trace import (
+from harness.core.errors import HarnessError
+from harness.parsers.nll_dump import (
     ACTION_DROP,
     ACTION_FETCH,
     ACTION_HIT,

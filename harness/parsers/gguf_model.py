@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError, NotMoEError
+from harness.core.errors import HarnessError, NotMoEError
 
 # Routed-expert tensors: blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias,scale}; shared experts
 # (ffn_*_shexp) are dense and stay on the device, as llama.cpp's --cpu-moe regex does.

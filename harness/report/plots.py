@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError
-from harness.sweep import FIRST_CHOICE_FETCHING, MassHypothesis, SweepResult, SweepRow, pareto_front
+from harness.core.errors import HarnessError
+from harness.orchestration.sweep import FIRST_CHOICE_FETCHING, MassHypothesis, SweepResult, SweepRow, pareto_front
 
 FORMATS = ("png", "svg")
 

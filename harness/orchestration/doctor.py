@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from harness import project
+from harness.core import project
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 SCHEMA_VERSION = 1
 
@@ -33,7 +33,7 @@ class Provenance:
 
     pin: str  # llama-cpp-python-<version> (UPSTREAM)
     pin_sha256: str
-    patch_series: str  # patch-series hash (harness.project.patch_series_hash)
+    patch_series: str  # patch-series hash (harness.core.project.patch_series_hash)
     binaries: Mapping[str, str]  # "stock/llama-bench" -> sha256
     backend: str  # cpu, cuda, ...
     gpu: str  # GPU name, or "none"

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy import stats as _sps
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 CV_WARN = 0.10  # pyperf warns when the standard deviation exceeds 10% of the mean
 MIN_SAMPLES = 5  # fewer repetitions than this: the t interval is wide and the CV itself unreliable

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.compare import (
+from harness.core.errors import HarnessError
+from harness.core.records import ResultsFile
+from harness.core.sizes import Size
+from harness.domain.costmodel import cache_work, estimate, load_profile
+from harness.domain.plan import plan_slots
+from harness.orchestration.compare import (
     FULL,
     Environment,
     Progress,
@@ -27,15 +32,10 @@ from harness.compare import (
     options_json,
     summarize_quality,
 )
-from harness.costmodel import cache_work, estimate, load_profile
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.gguf_model import ModelInfo
-from harness.plan import plan_slots
-from harness.results import ResultsFile
-from harness.runners import CacheSpec, PerplexityRequest, Placement, Runner
-from harness.sizes import Size
-from harness.stats import Correlation, DeltaPPL, pearson_fisher
+from harness.parsers.gguf_model import ModelInfo
+from harness.parsers.nll_dump import NllDump
+from harness.stats.intervals import Correlation, DeltaPPL, pearson_fisher
+from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
 
 RULES = ("fetch-all", "threshold", "first-choice", "substitute-all", "drop")
 FIRST_CHOICE_FETCHING = ("fetch-all", "threshold", "first-choice")  # rank 0 is always fetched
@@ -266,9 +266,9 @@ def summarize_sweep(opts: SweepOptions, info: ModelInfo, points: Sequence[SweepP
 
 def reload_sweep(out: Path, *, model: Path | None = None) -> SweepResult:
     """A sweep re-read from its results folder (for `harness report`); nothing is run."""
-    from harness.compare import read_meta
-    from harness.expert_trace import read_nll_dump_file
-    from harness.gguf_model import read_model_info
+    from harness.orchestration.compare import read_meta
+    from harness.parsers.gguf_model import read_model_info
+    from harness.parsers.nll_dump import read_nll_dump_file
 
     results = ResultsFile(out / "results.jsonl")
     meta = read_meta(results, "sweep")
@@ -289,10 +289,10 @@ def sweep(opts: SweepOptions, progress: Progress = _no_progress, *, runner: Runn
     """`harness sweep`: resolve the default model and text, run (or resume) the grid, write report.md."""
     from dataclasses import replace
 
-    from harness.compare import default_model, resolve_text
-    from harness.gguf_model import read_model_info
-    from harness.report import render_sweep_markdown
-    from harness.runners import ToolRunner
+    from harness.orchestration.compare import default_model, resolve_text
+    from harness.parsers.gguf_model import read_model_info
+    from harness.report.markdown import render_sweep_markdown
+    from harness.tools.runners import ToolRunner
 
     opts = replace(opts, model=opts.model or default_model(), text=resolve_text(opts.text, None))
     model, _ = _resolved(opts)

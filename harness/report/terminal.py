@@ -6,10 +6,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from harness.doctor import Diagnosis
-from harness.gguf_model import ModelInfo
-from harness.plan import SlotPlan
-from harness.sizes import format_bytes
+from harness.core.sizes import format_bytes
+from harness.domain.plan import SlotPlan
+from harness.orchestration.doctor import Diagnosis
+from harness.parsers.gguf_model import ModelInfo
 
 
 def render_doctor(d: Diagnosis) -> Group:

@@ -9,7 +9,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import BuildMissingError, HarnessError
+from harness.core.errors import BuildMissingError, HarnessError
 
 BUILD_NAMES = ("stock", "patched")
 TOOLS = ("llama-cli", "llama-server", "llama-perplexity", "llama-bench")
@@ -20,7 +20,7 @@ def project_root() -> Path:
     env = os.environ.get("MOE_SUBST_ROOT")
     if env:
         return Path(env).resolve()
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # harness/core/project.py -> the checkout
     if (here / "UPSTREAM").is_file():
         return here
     raise HarnessError("cannot find the moe-subst checkout: set MOE_SUBST_ROOT to it")
