@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harness.core.project import get_build  # noqa: E402
-from harness.orchestration.simulate import SIM_TOOL, parse_sim_summary, sim_args, sim_spec  # noqa: E402
+from harness.orchestration.simulate import sim_args, sim_spec  # noqa: E402
+from harness.parsers.sim import SIM_TOOL, parse_sim_summary  # noqa: E402
 from harness.parsers.trace import read_trace_header, synthetic_trace, write_expert_trace  # noqa: E402
 from harness.tools.runners import run_tool  # noqa: E402
 

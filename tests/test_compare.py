@@ -12,18 +12,12 @@ from harness.core.errors import HarnessError
 from harness.core.project import Build
 from harness.core.records import Provenance, ResultsFile
 from harness.core.sizes import Size
-from harness.orchestration.compare import (
-    CompareOptions,
-    Environment,
-    compare,
-    default_model,
-    plan_compare,
-    plan_runs,
-    policy_cache_spec,
-    resolve_text,
-    run_compare,
-    verify_budget,
-)
+from harness.domain.catalogue import policy_cache_spec
+from harness.domain.options import CompareOptions
+from harness.orchestration.compare import compare, default_model, resolve_text, run_compare
+from harness.orchestration.executor import Environment
+from harness.orchestration.planner import plan_compare, plan_runs
+from harness.orchestration.summary import verify_budget
 from harness.parsers import BenchResult, PerplexityResult
 from harness.parsers.cache_stats import CacheStats
 from harness.parsers.gguf_model import ExpertTensor, ModelInfo

@@ -11,7 +11,8 @@ import pytest
 from harness.core.errors import HarnessError
 from harness.core.project import Build
 from harness.core.records import SCHEMA_VERSION
-from harness.orchestration.compare import CompareOptions, compare, default_model
+from harness.domain.options import CompareOptions
+from harness.orchestration.compare import compare, default_model
 
 
 def _check_records(out: Path) -> list[dict[str, object]]:

@@ -13,7 +13,9 @@ import pytest
 
 from harness.cli import main
 from harness.core.errors import HarnessError
-from harness.orchestration.sweep import SweepPoint, SweepRow, mass_hypothesis, reload_sweep
+from harness.domain.plan import SweepPoint
+from harness.domain.results import SweepRow
+from harness.orchestration.sweep import mass_hypothesis, reload_sweep
 from harness.report import plots
 from harness.stats.intervals import DeltaPPL
 

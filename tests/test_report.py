@@ -11,10 +11,13 @@ from test_compare import FakeEnv, FakeRunner, _info
 from harness.core.errors import HarnessError
 from harness.core.project import Build
 from harness.core.sizes import parse_size
-from harness.orchestration.compare import CompareOptions, CompareResult, compare, reload_compare, run_compare
+from harness.domain.options import CompareOptions
+from harness.domain.results import CompareResult
+from harness.orchestration.compare import compare, reload_compare, run_compare
 from harness.orchestration.sweep import reload_sweep
 from harness.parsers.nll_dump import NllDump
-from harness.report.markdown import render_compare_markdown, render_compare_text
+from harness.report.markdown import render_compare_markdown
+from harness.report.terminal import render_compare_text
 from harness.tools.runners import PerplexityRequest, PerplexityRun
 
 

@@ -18,18 +18,13 @@ from typing import Any
 
 import pytest
 
-from harness.core.errors import HarnessError
-from harness.core.project import Build, BuildMissingError
+from harness.core.errors import BuildMissingError, HarnessError
+from harness.core.project import Build
 from harness.domain.costmodel import Profile, TokenWork, estimate, load_profile_file, profile_json
 from harness.orchestration.simulate import (
-    SIM_TOOL,
-    SimRun,
     ToolSimRunner,
     check_residency,
     parse_calibration_runs,
-    parse_sim_output,
-    parse_sim_summary,
-    render_simulate,
     residency_slots,
     run_calibrate,
     run_simulate,
@@ -37,7 +32,9 @@ from harness.orchestration.simulate import (
 )
 from harness.parsers import ParseError
 from harness.parsers.gguf_model import ModelInfo, read_model_info
+from harness.parsers.sim import SIM_TOOL, SimRun, parse_sim_output, parse_sim_summary
 from harness.parsers.trace import synthetic_trace, write_expert_trace
+from harness.report.simulate import render_simulate
 from harness.tools.synth import SynthSpec, synth_text, write_synth_model
 
 P = Profile(name="hand", description="test", vram_bytes=24 * 2**30, vram_bw_gbs=1000.0, h2d_bw_gbs=20.0,

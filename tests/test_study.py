@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 from test_compare import FakeEnv, FakeRunner, _info
 
-from harness.orchestration.compare import CompareOptions, CompareResult, QualityRow, run_compare
+from harness.domain.options import CompareOptions, SweepOptions
+from harness.domain.results import CompareResult, MassHypothesis, QualityRow, SweepResult
+from harness.orchestration.compare import run_compare
 from harness.orchestration.study import policy_pairs, verdicts
-from harness.orchestration.sweep import MassHypothesis, SweepOptions, SweepResult
 from harness.parsers.cache_stats import CacheStats
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import Correlation, DeltaPPL

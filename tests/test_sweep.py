@@ -13,20 +13,15 @@ from test_compare import FakeEnv, FakeRunner, _info
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build
-from harness.orchestration.sweep import (
-    SweepGrid,
-    SweepOptions,
-    SweepPoint,
-    SweepRow,
-    grid_points,
-    mass_hypothesis,
-    pareto_front,
-    run_sweep,
-)
+from harness.domain.options import SweepGrid, SweepOptions
+from harness.domain.plan import SweepPoint
+from harness.domain.results import SweepRow
+from harness.orchestration.sweep import grid_points, mass_hypothesis, run_sweep
 from harness.parsers import PerplexityResult
 from harness.parsers.cache_stats import CacheStats
 from harness.parsers.nll_dump import NllDump
 from harness.report.markdown import render_sweep_markdown
+from harness.stats.frontier import pareto_front
 from harness.stats.intervals import DeltaPPL
 from harness.tools.runners import PerplexityRequest, PerplexityRun, RunOutput
 

@@ -13,8 +13,8 @@ from test_compare import FakeEnv, FakeRunner, _info
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build
+from harness.domain.options import TopicOptions
 from harness.orchestration.topics import (
-    TopicOptions,
     align,
     boundary_tokens,
     run_topic_shift,
@@ -115,7 +115,7 @@ def test_run_topic_shift_with_a_fake_runner(tmp_path: Path) -> None:
 
 
 def test_topics_markdown() -> None:
-    from harness.orchestration.topics import TopicResult
+    from harness.domain.results import TopicResult
     from harness.report.markdown import render_topics_markdown
 
     d = _dump(8, 4, np.zeros(12), np.zeros(12))

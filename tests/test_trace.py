@@ -13,13 +13,17 @@ import pytest
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build
-from harness.parsers.nll_dump import ACTION_FETCH, ACTION_HIT, ACTION_SUBSTITUTE, ExpertTrace, trace_dtype
 from harness.parsers.trace import (
+    ACTION_FETCH,
+    ACTION_HIT,
+    ACTION_SUBSTITUTE,
+    ExpertTrace,
     decode_order,
     read_expert_trace,
     read_trace_header,
     recorded_actions,
     synthetic_trace,
+    trace_dtype,
     write_expert_trace,
 )
 from harness.tools.synth import SynthSpec, synth_text, write_synth_model

@@ -22,10 +22,10 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from harness.orchestration import doctor
-    from harness.report import terminal as render
+    from harness.report import terminal
 
     diagnosis = doctor.diagnose()
-    console.print(render.render_doctor(diagnosis))
+    console.print(terminal.render_doctor(diagnosis))
     return 1 if diagnosis.problems else 0
 
 
@@ -33,14 +33,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from harness.core import sizes
     from harness.domain import plan
     from harness.parsers import gguf_model
-    from harness.report import terminal as render
+    from harness.report import terminal
 
     info = gguf_model.read_model_info(args.model)
     slot_plan = None
     if args.vram:
         reserve = sizes.parse_size(args.reserve, allow_percent=False).bytes if args.reserve else 0
         slot_plan = plan.plan_slots(info, sizes.parse_size(args.vram), reserve or 0)
-    console.print(render.render_info(info, slot_plan))
+    console.print(terminal.render_info(info, slot_plan))
     return 0
 
 
@@ -56,16 +56,17 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- compare, sweep, check, report (issue 6: harness/compare.py, sweep.py, check.py, report.py, rerender.py) ----
+# ---- compare, sweep, check, report (issue 6: orchestration/compare.py, sweep.py, check.py, rerender.py) ---------
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from harness.core import project, sizes
+    from harness.domain.options import CompareOptions
     from harness.orchestration import compare
-    from harness.report import markdown as report
+    from harness.report import terminal
 
-    opts = compare.CompareOptions(
+    opts = CompareOptions(
         out=args.out or project.project_root() / "results" / f"compare-{(args.model or compare.default_model()).stem}",
         model=args.model,
         vram=sizes.parse_size(args.vram) if args.vram else None,
@@ -83,14 +84,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             bar.update(task, completed=done, total=total, description=label)
 
         result = compare.compare(opts, progress)
-    console.print(report.render_compare(result))
+    console.print(terminal.render_compare(result))
     if result.interrupted:
         return 130
     return 1 if result.budget.over else 0
 
 
 def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.orchestration.compare import KNOWN_POLICIES
+    from harness.domain.catalogue import KNOWN_POLICIES
 
     c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
     c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
@@ -132,12 +133,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from harness.core import project
+    from harness.domain.options import SweepGrid, SweepOptions
     from harness.orchestration import sweep
-    from harness.report import markdown as report
+    from harness.report import terminal
 
-    grid = sweep.SweepGrid(rules=_words(args.rules), taus=_floats(args.taus), admits=_words(args.admits),
+    grid = SweepGrid(rules=_words(args.rules), taus=_floats(args.taus), admits=_words(args.admits),
                            evicts=_words(args.evicts), fractions=tuple(f / 100 for f in _floats(args.residency)))
-    opts = sweep.SweepOptions(out=args.out or project.project_root() / "results" / "sweep", model=args.model,
+    opts = SweepOptions(out=args.out or project.project_root() / "results" / "sweep", model=args.model,
                               text=args.text, grid=grid, n_ctx=args.ctx, chunks=args.chunks or None,
                               threads=args.threads, seed=args.seed, profile=args.profile, argv=tuple(sys.argv))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -148,7 +150,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             bar.update(task, completed=done, total=total, description=label)
 
         result = sweep.sweep(opts, progress)
-    console.print(report.render_sweep(result))
+    console.print(terminal.render_sweep(result))
     return 130 if result.interrupted else 0
 
 
@@ -230,15 +232,16 @@ def _cmd_topics(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
     from harness.core import project
+    from harness.domain.options import TopicOptions
     from harness.orchestration import topics
-    from harness.report import markdown as report
+    from harness.report import markdown
 
-    opts = topics.TopicOptions(out=args.out or project.project_root() / "results" / "topics", model=args.model,
+    opts = TopicOptions(out=args.out or project.project_root() / "results" / "topics", model=args.model,
                                text=args.text, tokenizer=args.tokenizer, policy=args.policy,
                                fraction=args.residency / 100, window=args.window, n_ctx=args.ctx,
                                chunks=args.chunks or None, threads=args.threads, argv=tuple(sys.argv))
     result = topics.topic_shift(opts)
-    console.print(Markdown(report.render_topics_markdown(result)))
+    console.print(Markdown(markdown.render_topics_markdown(result)))
     return 0
 
 
@@ -262,15 +265,16 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
     from harness.core import project
+    from harness.domain.options import StudyOptions
     from harness.orchestration import study
-    from harness.report import markdown as report
+    from harness.report import markdown
 
-    opts = study.StudyOptions(out=args.out or project.project_root() / "results" / "study", model=args.model,
+    opts = StudyOptions(out=args.out or project.project_root() / "results" / "study", model=args.model,
                               text=args.text, residency=args.residency / 100, n_ctx=args.ctx,
                               chunks=args.chunks or None, threads=args.threads, topics=not args.no_topics,
                               tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv))
     result = study.study(opts)
-    console.print(Markdown(report.render_study_markdown(result)))
+    console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
 
 
@@ -292,10 +296,11 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 # ---- end of compare, sweep, check, report, topics, study ---------------------------------------------------------
 
 
-# ---- simulate, calibrate (issue 7: harness/simulate.py) ---------------------------------------------------------
+# ---- simulate, calibrate (issue 7: orchestration/simulate.py) ---------------------------------------------------
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from harness.orchestration import simulate
+    from harness.report.simulate import render_simulate
 
     opts = simulate.SimulateOptions(
         trace=args.trace, model=args.model,
@@ -303,21 +308,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         residencies=tuple(r.strip() for r in args.residency.split(",") if r.strip()),
         profile=args.profile)
     rows = simulate.simulate(opts)
-    print(simulate.render_simulate(rows, markdown=args.markdown), end="")
+    print(render_simulate(rows, markdown=args.markdown), end="")
     return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from harness.orchestration import simulate
+    from harness.report.simulate import render_profile
 
     fit = simulate.run_calibrate(args.runs, args.base, args.output, args.name)
-    print(simulate.render_profile(fit) + f"wrote {args.output}")
+    print(render_profile(fit) + f"wrote {args.output}")
     return 0
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.catalogue import KNOWN_POLICIES
     from harness.domain.costmodel import list_profiles
-    from harness.orchestration.compare import KNOWN_POLICIES
 
     s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
                        "(cost model: estimates, not measurements)")

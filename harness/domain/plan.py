@@ -1,4 +1,5 @@
-"""How many expert slots per MoE layer fit in a device budget next to the non-expert weights."""
+"""Plans: how many expert slots per MoE layer fit in a device budget next to the non-expert weights, where
+`harness compare` puts the weights, the points of a sweep, and the runs of a command."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from harness.core.errors import HarnessError
 from harness.core.sizes import Size, format_bytes
 from harness.parsers.gguf_model import ModelInfo
+from harness.tools.runners import BenchRequest, CacheSpec, PerplexityRequest, Placement
 
 
 @dataclass(frozen=True)
@@ -58,3 +60,55 @@ def plan_slots(info: ModelInfo, vram: Size, reserve: int = 0) -> SlotPlan:
     slots = min(info.n_expert, free // (per_layer_expert * info.n_moe_layers))
     return SlotPlan(budget, reserve, info.non_expert_bytes, per_layer_expert, info.n_moe_layers,
                     info.n_expert, int(slots))
+
+
+@dataclass(frozen=True)
+class ComparePlan:
+    """Where `harness compare` puts the weights under one budget (harness.orchestration.planner)."""
+
+    info: ModelInfo
+    budget_bytes: int
+    slots: SlotPlan
+    stock_gpu_moe_layers: int
+    stock: Placement
+    patched: Placement
+    host_expert_bytes_stock: int
+    host_expert_bytes_patched: int
+    notes: tuple[str, ...]
+
+    @property
+    def fits_whole_model(self) -> bool:
+        return self.slots.fits_whole_model
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One cache configuration of a sweep's grid (harness.orchestration.sweep.grid_points)."""
+
+    name: str
+    rule: str
+    tau: float | None
+    admit: str
+    evict: str
+    fraction: float
+    slots: int
+
+    def cache(self, stats: str | None) -> CacheSpec:
+        extra: list[tuple[str, str]] = [("rule", self.rule)]
+        if self.tau is not None:
+            extra.append(("tau", f"{self.tau:g}"))
+        extra += [("evict", self.evict), ("admit", self.admit)]
+        return CacheSpec("emulate", None, self.slots, stats, tuple(extra))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a command's matrix; `key` is its resume key."""
+
+    key: str
+    kind: str  # "ppl" or "bench"
+    build: str  # "stock" or "patched"
+    config: str  # "stock", "full", or a policy
+    rep: int | None
+    ppl: PerplexityRequest | None = None
+    bench: BenchRequest | None = None

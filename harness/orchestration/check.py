@@ -18,15 +18,11 @@ from typing import Any
 
 from harness.core import project
 from harness.core.errors import HarnessError
-from harness.orchestration.compare import (
-    FULL,
-    CompareOptions,
-    CompareResult,
-    Environment,
-    Progress,
-    _no_progress,
-    compare,
-)
+from harness.domain.catalogue import FULL
+from harness.domain.options import CompareOptions
+from harness.domain.results import CompareResult
+from harness.orchestration.compare import compare
+from harness.orchestration.executor import Environment, Progress, no_progress
 from harness.tools.runners import Runner
 
 SCHEMA = "moe-subst/ppl-baseline"
@@ -158,7 +154,7 @@ class CheckResult:
     compare: CompareResult
 
 
-def check(opts: CheckOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None, root: Path | None = None) -> CheckResult:
     root = root or project.project_root()
     base = read_baseline(opts.baseline) if opts.baseline.is_file() else None

@@ -3,65 +3,12 @@
 from __future__ import annotations
 
 import platform
-import shutil
-import subprocess
-from dataclasses import dataclass
 
 import psutil
 
 from harness.core import project
-
-
-@dataclass(frozen=True)
-class BuildStatus:
-    name: str
-    present: bool
-    backend: str
-    bin_dir: str
-    version: str
-    identifies_as_patched: bool
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    pin: str
-    pin_sha256: str
-    patch_series: str
-    n_patches: int
-    source_unpacked: bool
-    builds: tuple[BuildStatus, ...]
-    gpus: tuple[str, ...]
-    nvcc: str
-    python: str
-    host_ram_bytes: int
-    cpu_count: int
-    problems: tuple[str, ...]
-
-
-def _run(argv: list[str], timeout: float = 20) -> str:
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return (r.stdout + r.stderr).strip()
-
-
-def detect_gpus() -> tuple[str, ...]:
-    if not shutil.which("nvidia-smi"):
-        return ()
-    out = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
-    return tuple(line.strip() for line in out.splitlines() if line.strip() and "failed" not in line.lower())
-
-
-def build_version(build: project.Build) -> str:
-    """The first 'version:' line a tool prints (patched builds say 'moe-subst patched build')."""
-    if not (build.bin_dir / "llama-cli").is_file():
-        return ""
-    out = _run([str(build.bin_dir / "llama-cli"), "--version"])
-    for line in out.splitlines():
-        if line.startswith("version:"):
-            return line.removeprefix("version:").strip()
-    return out.splitlines()[-1] if out else ""
+from harness.domain.results import BuildStatus, Diagnosis
+from harness.tools.host import build_version, detect_gpus, nvcc_version
 
 
 def diagnose() -> Diagnosis:
@@ -90,7 +37,7 @@ def diagnose() -> Diagnosis:
     gpus = detect_gpus()
     if gpus and any(s.present and s.backend != "cuda" for s in statuses):
         problems.append("an NVIDIA GPU is present but the builds are CPU-only: run ./build.sh --cuda")
-    nvcc = _run(["nvcc", "--version"]).splitlines()[-1] if shutil.which("nvcc") else ""
+    nvcc = nvcc_version()
     return Diagnosis(
         pin=pin.name, pin_sha256=pin.sha256, patch_series=project.patch_series_hash(root),
         n_patches=len(project.patch_series(root)), source_unpacked=unpacked, builds=tuple(statuses),

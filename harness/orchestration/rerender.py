@@ -10,9 +10,11 @@ from rich.console import Group
 
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
-from harness.orchestration.compare import read_meta, reload_compare
+from harness.orchestration.compare import reload_compare
+from harness.orchestration.serialise import read_meta
 from harness.orchestration.sweep import reload_sweep
-from harness.report.markdown import render_compare, render_compare_markdown, render_sweep, render_sweep_markdown
+from harness.report.markdown import render_compare_markdown, render_sweep_markdown
+from harness.report.terminal import render_compare, render_sweep
 
 
 @dataclass(frozen=True)

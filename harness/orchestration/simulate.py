@@ -25,10 +25,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build
+from harness.domain.catalogue import POLICIES
 from harness.domain.costmodel import (
     Profile,
     TokenWork,
@@ -41,61 +42,20 @@ from harness.domain.costmodel import (
     stock_gpu_moe_layers,
     stock_work,
 )
-from harness.orchestration.compare import POLICIES
-from harness.parsers import ParseError
-from harness.parsers.cache_stats import CacheStats, parse_cache_stats
+from harness.domain.results import SimRow
+from harness.parsers.base import ParseError
 from harness.parsers.gguf_model import ModelInfo
+from harness.parsers.sim import SIM_TOOL, SimRun, parse_sim_output
 from harness.parsers.trace import read_trace_header
 from harness.tools.runners import run_tool
 
-SIM_TOOL = "llama-moe-sim"
 BASELINE = "fetch-all"
 DEFAULT_POLICIES = ("quality", "speed", "fetch-all")
 DEFAULT_RESIDENCIES = ("10%", "25%", "50%")
-ESTIMATE_NOTE = ("ms/token and speed-ups are ESTIMATES from the cost model (profile {profile}), not "
-                 "measurements; stock = stock llama.cpp with the same device memory (non-expert weights + "
-                 "the cache's slots), the MoE layers that do not fit computed on the CPU")
-ROUTING_NOTE = ("the routing is the recorded run's: substitution's effect on later layers' routing is not "
-                "replayed")
-
-_SUMMARY = re.compile(r"llama-moe-sim: replayed (\d+) token-layer decisions \((\d+) MoE layers\) x (\d+) "
-                      r"in ([0-9.eE+-]+) s: ([0-9.eE+-]+) million decisions/s \((\d+) threads, ([0-9.eE+-]+) s CPU\)")
 _RESIDENCY = re.compile(r"^(\d+(\.\d+)?%|\d+)$")
 
 
 # ---- running the simulator ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ReplaySummary:
-    decisions: int  # token-layer decisions per replay
-    n_moe_layers: int
-    repeat: int
-    seconds: float  # all replays together (wall time)
-    decisions_per_s: float
-    threads: int  # MoE layers are replayed in parallel
-    cpu_seconds: float  # process CPU time of the replays (all threads)
-
-    @property
-    def decisions_per_cpu_s(self) -> float:
-        """Decisions per second of CPU time: less sensitive than the wall-time rate to a busy machine."""
-        return self.decisions * self.repeat / self.cpu_seconds if self.cpu_seconds > 0 else float("inf")
-
-
-def parse_sim_summary(stderr: str) -> ReplaySummary:
-    """The line llama-moe-sim prints on stderr after replaying."""
-    found = list(_SUMMARY.finditer(stderr))
-    if not found:
-        raise ParseError("no 'replayed ... decisions' line", stderr, source=SIM_TOOL)
-    m = found[-1]
-    return ReplaySummary(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5]) * 1e6, int(m[6]), float(m[7]))
-
-
-@dataclass(frozen=True)
-class SimRun:
-    spec: str
-    stats: CacheStats
-    doc: dict[str, Any]  # the statistics JSON (schema moe-subst/expert-cache-stats)
-    summary: ReplaySummary | None
 
 
 class SimRunner(Protocol):
@@ -118,16 +78,6 @@ def sim_args(trace: Path, spec: str, *, stats: Path | None = None, repeat: int =
     return args
 
 
-def parse_sim_output(spec: str, stdout: str, stderr: str) -> SimRun:
-    stats = parse_cache_stats(stdout)
-    doc: dict[str, Any] = json.loads(stdout)
-    try:
-        summary: ReplaySummary | None = parse_sim_summary(stderr)
-    except ParseError:
-        summary = None
-    return SimRun(spec, stats, doc, summary)
-
-
 class ToolSimRunner:
     """Runs llama-moe-sim of a (patched) build; the statistics come on its stdout."""
 
@@ -144,6 +94,7 @@ class ToolSimRunner:
 
 
 # ---- the grid ------------------------------------------------------------------------------------------------
+
 
 def check_residency(residency: str) -> str:
     r = residency.strip()
@@ -162,7 +113,7 @@ def residency_slots(residency: str, n_expert: int) -> int:
 
 
 def sim_spec(policy: str, residency: str) -> str:
-    """The cache spec of a named policy (the policy catalogue) at a residency ("25%" or a slot count)."""
+    """The cache spec of a named policy (the catalogue's POLICIES) at a residency ("25%" or a slot count)."""
     if policy not in POLICIES:
         raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
     items = [*POLICIES[policy], ("slots", check_residency(residency))]
@@ -176,36 +127,6 @@ def resolve_profile(name_or_path: str | Profile) -> Profile:
     if name_or_path.endswith(".json") or "/" in name_or_path:
         return load_profile_file(name_or_path)
     return load_profile(name_or_path)
-
-
-@dataclass(frozen=True)
-class SimRow:
-    """One policy at one residency. `est_*` are cost-model ESTIMATES (profile `profile`), not measurements."""
-
-    policy: str
-    residency: str  # as requested ("25%", or a slot count)
-    slots: int  # per MoE layer, as the cache resolved it
-    n_expert: int
-    tokens: int  # token-layers / MoE layers
-    hit_rate: float
-    fetches_per_token: float  # summed over MoE layers of each layer's fetches per token it decided (per_token)
-    substitution_rate: float
-    substituted_mass: float  # mean substituted gate mass per token-layer
-    admissions_per_token: float
-    profile: str
-    est_ms_per_token: float
-    est_fetch_all_ms: float  # fetch-every-miss at the same residency
-    est_stock_ms: float  # stock llama.cpp with the same device memory
-    stock_gpu_moe_layers: int
-    replay_decisions_per_s: float | None = None
-
-    @property
-    def est_speedup_vs_fetch_all(self) -> float:
-        return self.est_fetch_all_ms / self.est_ms_per_token
-
-    @property
-    def est_speedup_vs_stock(self) -> float:
-        return self.est_stock_ms / self.est_ms_per_token
 
 
 def _total(run: SimRun, key: str) -> float:
@@ -320,54 +241,8 @@ def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> list[Sim
     return run_simulate(opts.trace, info, opts.policies, opts.residencies, opts.profile, runner)
 
 
-# ---- rendering -------------------------------------------------------------------------------------------------
-
-SIM_COLUMNS = ("policy", "resid.", "slots", "hit rate", "fetch/tok", "subst rate", "mass", "admit/tok",
-               "ms/tok (EST)", "x fetch-all (EST)", "x stock (EST)")
-
-
-def _cells(r: SimRow) -> list[str]:
-    return [r.policy, r.residency, f"{r.slots}/{r.n_expert}", f"{100 * r.hit_rate:.1f}%",
-            f"{r.fetches_per_token:.2f}", f"{100 * r.substitution_rate:.2f}%", f"{r.substituted_mass:.4f}",
-            f"{r.admissions_per_token:.3f}", f"{r.est_ms_per_token:.3f}", f"{r.est_speedup_vs_fetch_all:.2f}x",
-            f"{r.est_speedup_vs_stock:.2f}x"]
-
-
-def _notes(rows: Sequence[SimRow]) -> list[str]:
-    if not rows:
-        return []
-    profile = rows[0].profile
-    stock = sorted({(r.residency, r.slots, r.stock_gpu_moe_layers, r.est_stock_ms) for r in rows})
-    out = [ESTIMATE_NOTE.format(profile=profile)]
-    out += [f"stock at {res} ({slots} slots' memory): {g} MoE layers' experts on the device, {ms:.3f} ms/token "
-            "(EST)" for res, slots, g, ms in stock]
-    out.append(ROUTING_NOTE)
-    return out
-
-
-def render_simulate(rows: Sequence[SimRow], *, markdown: bool = False) -> str:
-    """A table of the rows and the notes that say what is estimated; plain text or Markdown."""
-    if not rows:
-        return "no rows\n"
-    body = [_cells(r) for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(SIM_COLUMNS) + " |", "|" + "---|" * len(SIM_COLUMNS)]
-        lines += ["| " + " | ".join(c) + " |" for c in body]
-        lines.append("")
-        lines += [f"- {n}" for n in _notes(rows)]
-        return "\n".join(lines) + "\n"
-    widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(SIM_COLUMNS)]
-
-    def line(cells: Sequence[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
-
-    lines = [line(SIM_COLUMNS), line(["-" * w for w in widths]), *(line(c) for c in body), ""]
-    lines += [f"note: {n}" for n in _notes(rows)]
-    return "\n".join(lines) + "\n"
-
-
 # ---- calibration -----------------------------------------------------------------------------------------------
+
 
 _WORK_FIELDS = {f.name for f in fields(TokenWork)}
 
@@ -413,10 +288,3 @@ def run_calibrate(runs_path: Path, base: str | Profile, out: Path, name: str | N
     except OSError as e:
         raise HarnessError(f"cannot write the profile {out}: {e.strerror or e}") from None
     return fit
-
-
-def render_profile(p: Profile) -> str:
-    return "\n".join([f"profile {p.name}: {p.description}",
-                      f"  vram_bw {p.vram_bw_gbs:.1f} GB/s, h2d_bw {p.h2d_bw_gbs:.2f} GB/s, "
-                      f"fetch latency {p.fetch_latency_us:.2f} us, layer round trip {p.layer_roundtrip_us:.2f} us, "
-                      f"layer fixed {p.layer_fixed_us:.2f} us, cpu_bw {p.cpu_bw_gbs:.1f} GB/s"]) + "\n"

@@ -17,61 +17,21 @@ Verdicts are decided by the rules in `verdicts` (pure) from paired 95% CIs; spee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
 from harness.core.sizes import Size
-from harness.orchestration.compare import (
-    CompareOptions,
-    CompareResult,
-    Environment,
-    Progress,
-    _no_progress,
-    compare,
-    load_nlls,
-)
-from harness.orchestration.sweep import SweepGrid, SweepOptions, SweepResult, sweep
-from harness.orchestration.topics import TopicOptions, TopicResult, topic_shift
+from harness.domain.options import CompareOptions, StudyOptions, SweepGrid, SweepOptions, TopicOptions
+from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult, Verdict
+from harness.orchestration.compare import compare
+from harness.orchestration.executor import Environment, Progress, no_progress
+from harness.orchestration.summary import load_nlls
+from harness.orchestration.sweep import sweep
+from harness.orchestration.topics import topic_shift
 from harness.parsers.nll_dump import NllDump, read_nll_dump_file
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
 from harness.tools.runners import Runner
 
 POLICIES = ("fetch-all", "rule-0.15", "substitute-all", "first-choice", "quality", "speed")
-
-
-@dataclass(frozen=True)
-class StudyOptions:
-    out: Path
-    model: Path | None = None
-    text: Path | None = None
-    residency: float = 0.25
-    n_ctx: int = 512
-    chunks: int | None = 32
-    threads: int | None = None
-    topics: bool = True
-    tokenizer: Path | None = None
-    seed: int = 0
-    argv: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Verdict:
-    finding: str
-    held: bool | None  # None: not testable here
-    evidence: str
-
-
-@dataclass(frozen=True)
-class StudyResult:
-    options: StudyOptions
-    compare: CompareResult
-    pairs: dict[str, DeltaPPL]  # "a vs b" -> paired delta of a against b
-    sweep: SweepResult
-    topics: TopicResult | None
-    topics_note: str
-    verdicts: tuple[Verdict, ...]
 
 
 def _fmt(d: DeltaPPL) -> str:
@@ -153,7 +113,7 @@ def policy_pairs(nll: dict[str, NllDump], pairs: list[tuple[str, str]], *, seed:
     return out
 
 
-def study(opts: StudyOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None) -> StudyResult:
     """Run (or resume) the three parts and decide the verdicts; writes report.md in opts.out."""
     from harness.report.markdown import render_study_markdown

@@ -12,60 +12,31 @@ tested with Pearson r and a Fisher-z 95% CI across the grid points.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
 from harness.core.sizes import Size
+from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, RULES
 from harness.domain.costmodel import cache_work, estimate, load_profile
-from harness.domain.plan import plan_slots
-from harness.orchestration.compare import (
-    FULL,
-    Environment,
-    Progress,
-    RunSpec,
-    _no_progress,
-    execute_runs,
-    load_nlls,
+from harness.domain.options import SweepGrid, SweepOptions
+from harness.domain.plan import RunSpec, SweepPoint, plan_slots
+from harness.domain.results import MassHypothesis, SweepResult, SweepRow
+from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
+from harness.orchestration.serialise import (
+    SWEEP_GRID_KEYS,
+    SWEEP_OPTION_KEYS,
     options_json,
-    summarize_quality,
+    sweep_fingerprint,
+    sweep_options_from_json,
 )
+from harness.orchestration.summary import load_nlls, summarize_quality
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
-from harness.stats.intervals import Correlation, DeltaPPL, pearson_fisher
+from harness.stats.frontier import pareto_front
+from harness.stats.intervals import pearson_fisher
 from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
-
-RULES = ("fetch-all", "threshold", "first-choice", "substitute-all", "drop")
-FIRST_CHOICE_FETCHING = ("fetch-all", "threshold", "first-choice")  # rank 0 is always fetched
-
-
-@dataclass(frozen=True)
-class SweepGrid:
-    rules: tuple[str, ...] = ("fetch-all", "threshold", "first-choice", "substitute-all")
-    taus: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4)  # only for the threshold rule
-    admits: tuple[str, ...] = ("off", "0.5")  # "off" or a beta
-    evicts: tuple[str, ...] = ("lfu",)
-    fractions: tuple[float, ...] = (0.25,)  # resident share of each layer's experts
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    name: str
-    rule: str
-    tau: float | None
-    admit: str
-    evict: str
-    fraction: float
-    slots: int
-
-    def cache(self, stats: str | None) -> CacheSpec:
-        extra: list[tuple[str, str]] = [("rule", self.rule)]
-        if self.tau is not None:
-            extra.append(("tau", f"{self.tau:g}"))
-        extra += [("evict", self.evict), ("admit", self.admit)]
-        return CacheSpec("emulate", None, self.slots, stats, tuple(extra))
 
 
 def grid_points(grid: SweepGrid, info: ModelInfo) -> list[SweepPoint]:
@@ -100,64 +71,6 @@ def grid_points(grid: SweepGrid, info: ModelInfo) -> list[SweepPoint]:
     return points
 
 
-@dataclass(frozen=True)
-class SweepOptions:
-    out: Path
-    model: Path | None = None  # None: the project's trained model
-    text: Path | None = None  # None: the held-out text
-    grid: SweepGrid = SweepGrid()
-    n_ctx: int = 512
-    chunks: int | None = None
-    threads: int | None = None
-    n_boot: int = 2000
-    seed: int = 0
-    profile: str = "rtx3090"  # hardware profile for the time-per-token estimates
-    argv: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SweepRow:
-    point: SweepPoint
-    ppl: float
-    delta: DeltaPPL | None
-    substitution_rate: float | None
-    substituted_mass: float | None
-    fetches_per_token: float | None
-    est_ms_per_token: float | None  # cost model estimate, not a measurement
-
-
-@dataclass(frozen=True)
-class MassHypothesis:
-    correlation: Correlation | None
-    n_points: int
-    note: str
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    options: SweepOptions
-    full_ppl: float | None
-    rows: tuple[SweepRow, ...]
-    frontier: tuple[str, ...]  # point names on the quality/speed Pareto frontier
-    mass: MassHypothesis
-    results_path: Path
-    n_run: int
-    n_resumed: int
-    interrupted: bool
-    warnings: tuple[str, ...]
-
-
-def pareto_front(points: Sequence[tuple[str, float, float]]) -> tuple[str, ...]:
-    """Names of the points not dominated when both coordinates are to be minimised (a point dominates
-    another when it is no worse in both and better in one), in the order of the first coordinate."""
-    front = []
-    for name, x, y in points:
-        dominated = any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for _, x2, y2 in points)
-        if not dominated:
-            front.append((x, y, name))
-    return tuple(n for _, _, n in sorted(front))
-
-
 def mass_hypothesis(rows: Sequence[SweepRow], *, level: float = 0.95) -> MassHypothesis:
     """Pearson r between substituted mass and delta-PPL% over the points whose rule always fetches the first
     choice, with a Fisher-z CI; None (with the reason) when there are fewer than 4 such points or no spread."""
@@ -187,32 +100,17 @@ def sweep_runs(opts: SweepOptions, points: Sequence[SweepPoint]) -> list[RunSpec
     def req(label: str, cache: CacheSpec) -> PerplexityRequest:
         return PerplexityRequest(model, text, placement, n_ctx=opts.n_ctx, n_batch=opts.n_ctx,
                                  chunks=opts.chunks, threads=opts.threads, cache=cache,
-                                 nll_dump=opts.out / "nll" / f"{_safe(label)}.bin", label=label)
+                                 nll_dump=opts.out / "nll" / f"{safe_name(label)}.bin", label=label)
 
     runs = [RunSpec("ppl:full", "ppl", "patched", FULL, None, ppl=req(FULL, CacheSpec("off")))]
     for p in points:
-        stats = str(opts.out / "stats" / f"{_safe(p.name)}.json")
+        stats = str(opts.out / "stats" / f"{safe_name(p.name)}.json")
         runs.append(RunSpec(f"ppl:{p.name}", "ppl", "patched", p.name, None, ppl=req(p.name, p.cache(stats))))
     return runs
 
 
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-
-
-def _fingerprint(opts: SweepOptions, binaries: dict[str, str]) -> str:
-    import hashlib
-    import json
-
-    model, text = _resolved(opts)
-    st = model.stat()
-    d = {"model": [str(model.resolve()), st.st_size, int(st.st_mtime)], "text": str(text),
-         "n_ctx": opts.n_ctx, "chunks": opts.chunks, "binaries": binaries, "command": "sweep"}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def run_sweep(opts: SweepOptions, runner: Runner, info: ModelInfo, *, env: Environment | None = None,
-              progress: Progress = _no_progress) -> SweepResult:
+              progress: Progress = no_progress) -> SweepResult:
     env = env or Environment()
     _, text = _resolved(opts)
     if not text.is_file():
@@ -222,9 +120,11 @@ def run_sweep(opts: SweepOptions, runner: Runner, info: ModelInfo, *, env: Envir
     builds = env.builds()
     gpu = env.gpu()
     prov = env.provenance(builds, opts.argv, gpu)
-    fp = _fingerprint(opts, dict(prov.binaries))
+    model, _ = _resolved(opts)
+    fp = sweep_fingerprint(model, text, opts, dict(prov.binaries))
     results = ResultsFile(opts.out / "results.jsonl")
-    meta: dict[str, Any] = {"command": "sweep", "options": options_json(opts), "grid": options_json(opts.grid)}
+    meta: dict[str, Any] = {"command": "sweep", "options": options_json(opts, SWEEP_OPTION_KEYS),
+                            "grid": options_json(opts.grid, SWEEP_GRID_KEYS)}
     outcome = execute_runs(sweep_runs(opts, points), runner, builds, prov, fp, results, progress, meta=meta)
     return summarize_sweep(opts, info, points, results, runner.load_nll, list(outcome.notes), outcome.n_run,
                            outcome.n_resumed, outcome.interrupted)
@@ -266,25 +166,20 @@ def summarize_sweep(opts: SweepOptions, info: ModelInfo, points: Sequence[SweepP
 
 def reload_sweep(out: Path, *, model: Path | None = None) -> SweepResult:
     """A sweep re-read from its results folder (for `harness report`); nothing is run."""
-    from harness.orchestration.compare import read_meta
+    from harness.orchestration.serialise import read_meta
     from harness.parsers.gguf_model import read_model_info
     from harness.parsers.nll_dump import read_nll_dump_file
 
     results = ResultsFile(out / "results.jsonl")
     meta = read_meta(results, "sweep")
-    o, g = meta["options"], meta["grid"]
-    grid = SweepGrid(tuple(g["rules"]), tuple(float(x) for x in g["taus"]), tuple(g["admits"]), tuple(g["evicts"]),
-                     tuple(float(x) for x in g["fractions"]))
-    opts = SweepOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
-                        n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
-                        n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
-                        argv=tuple(o.get("argv", ())))
+    opts = sweep_options_from_json(meta["options"], meta["grid"], out, model)
+    grid = opts.grid
     m, _ = _resolved(opts)
     info = read_model_info(m)
     return summarize_sweep(opts, info, grid_points(grid, info), results, read_nll_dump_file, [])
 
 
-def sweep(opts: SweepOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+def sweep(opts: SweepOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None) -> SweepResult:
     """`harness sweep`: resolve the default model and text, run (or resume) the grid, write report.md."""
     from dataclasses import replace

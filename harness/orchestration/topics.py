@@ -10,10 +10,9 @@ when it is among the first `window` tokens of a segment (other than the first).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +22,14 @@ import numpy.typing as npt
 from harness.core import project
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
-from harness.orchestration.compare import (
-    FULL,
-    POLICIES,
-    Environment,
-    Progress,
-    RunSpec,
-    _no_progress,
-    check_policies,
-    default_model,
-    execute_runs,
-    load_nlls,
-    options_json,
-    policy_cache_spec,
-)
+from harness.domain.catalogue import FULL, POLICIES, check_policies, policy_cache_spec
+from harness.domain.options import TopicOptions
+from harness.domain.plan import RunSpec
+from harness.domain.results import TopicResult, TopicRow
+from harness.orchestration.compare import default_model
+from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress
+from harness.orchestration.serialise import TOPIC_OPTION_KEYS, options_json, topics_fingerprint
+from harness.orchestration.summary import load_nlls
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
@@ -46,6 +39,7 @@ DEFAULT_TEXT = Path("eval/data/topic-shift.txt")
 
 
 # ---- pure -----------------------------------------------------------------------------------------------------
+
 
 def segment_starts(segments_json: dict[str, Any]) -> list[int]:
     """Character offsets where a new segment (topic) begins, the first segment excluded."""
@@ -93,14 +87,6 @@ def window_mask(positions: npt.NDArray[np.int64], boundaries: Sequence[int], win
     return mask
 
 
-@dataclass(frozen=True)
-class TopicRow:
-    label: str  # "<policy> vs full", "<policy> admit=off vs full", "admission effect"
-    overall: DeltaPPL
-    after_change: DeltaPPL | None
-    elsewhere: DeltaPPL | None
-
-
 def topic_rows(full: NllDump, on: NllDump, off: NllDump, mask: npt.NDArray[np.bool_], policy: str, *,
                n_boot: int = 2000, seed: int = 0) -> tuple[TopicRow, ...]:
     chunk = full.chunk
@@ -119,33 +105,6 @@ def topic_rows(full: NllDump, on: NllDump, off: NllDump, mask: npt.NDArray[np.bo
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TopicOptions:
-    out: Path
-    model: Path | None = None
-    text: Path | None = None  # default: eval/data/topic-shift.txt (segments: the .json next to it)
-    tokenizer: Path | None = None  # default: the one *tokenizer.json in models/
-    policy: str = "quality"
-    fraction: float = 0.25
-    window: int = 256
-    n_ctx: int = 512
-    chunks: int | None = None
-    threads: int | None = None
-    n_boot: int = 2000
-    seed: int = 0
-    argv: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TopicResult:
-    options: TopicOptions
-    n_boundaries: int
-    n_scored: int
-    n_after_change: int
-    rows: tuple[TopicRow, ...]
-    results_path: Path
-    warnings: tuple[str, ...]
 
 
 def _tokenize(tokenizer: Path, text: str) -> tuple[list[int], list[int]]:
@@ -167,7 +126,7 @@ def _default_tokenizer(root: Path) -> Path:
 
 
 def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env: Environment | None = None,
-                    progress: Progress = _no_progress, root: Path | None = None) -> TopicResult:
+                    progress: Progress = no_progress, root: Path | None = None) -> TopicResult:
     root = root or project.project_root()
     env = env or Environment()
     check_policies([opts.policy])
@@ -195,14 +154,10 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
              RunSpec("ppl:admit-off", "ppl", "patched", "admit-off", None, ppl=req("admit-off", off))]
     builds = env.builds()
     prov = env.provenance(builds, opts.argv, env.gpu())
-    st = model.stat()
-    fp = hashlib.sha256(json.dumps({"model": [str(model.resolve()), st.st_size, int(st.st_mtime)],
-                                    "text": str(text), "n_ctx": opts.n_ctx, "chunks": opts.chunks,
-                                    "policy": opts.policy, "slots": slots, "binaries": dict(prov.binaries),
-                                    "command": "topics"}, sort_keys=True).encode()).hexdigest()[:16]
+    fp = topics_fingerprint(model, text, opts.n_ctx, opts.chunks, opts.policy, slots, dict(prov.binaries))
     results = ResultsFile(opts.out / "results.jsonl")
     outcome = execute_runs(specs, runner, builds, prov, fp, results, progress,
-                           meta={"command": "topics", "options": options_json(opts)})
+                           meta={"command": "topics", "options": options_json(opts, TOPIC_OPTION_KEYS)})
     if outcome.interrupted:
         raise KeyboardInterrupt
     records = [r for r in results.read() if r.get("kind") == "ppl"]
@@ -222,7 +177,7 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
     return TopicResult(opts, len(boundaries), int(mask.size), int(mask.sum()), rows, results.path, tuple(warnings))
 
 
-def topic_shift(opts: TopicOptions, progress: Progress = _no_progress, *, runner: Runner | None = None,
+def topic_shift(opts: TopicOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
                 env: Environment | None = None) -> TopicResult:
     """`harness topics`: run (or resume) the three runs, write report.md."""
     from harness.parsers.gguf_model import read_model_info

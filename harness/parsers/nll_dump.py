@@ -1,8 +1,5 @@
-"""Readers for the binary files the patched llama.cpp writes (formats: docs/expert-cache.md).
-
-- `read_expert_trace`: the router trace of the expert cache (`trace=PATH` in LLAMA_MOE_CACHE).
-- `read_nll_dump_file`: the per-token NLL dump of llama-perplexity (`--nll-dump PATH`).
-"""
+"""The per-token NLL dump of llama-perplexity (`--nll-dump PATH`, patched build; format: docs/expert-cache.md):
+the scored tokens and their negative log-likelihoods, per chunk."""
 
 from __future__ import annotations
 
@@ -15,57 +12,8 @@ import numpy.typing as npt
 
 from harness.core.errors import HarnessError
 
-TRACE_MAGIC = b"MOETRACE"
-TRACE_VERSION = 1
-TRACE_HEADER_SIZE = 64
-
-ACTION_HIT = 0
-ACTION_FETCH = 1
-ACTION_SUBSTITUTE = 2
-ACTION_DROP = 3
-
 NLL_MAGIC = b"LLNLLDMP"
 NLL_VERSION = 1
-
-
-@dataclass(frozen=True, eq=False)
-class ExpertTrace:
-    version: int
-    n_layer: int
-    n_expert: int
-    k: int
-    top_m: int
-    n_slots: int
-    records: npt.NDArray[np.void]  # fields: layer, token, ids[k], weights[k], used[k], action[k], top_ids, top_score
-
-
-def trace_dtype(k: int, top_m: int) -> np.dtype[np.void]:
-    pad = (k + 3) // 4 * 4
-    fields: list[tuple[str, str] | tuple[str, str, tuple[int, ...]]] = [
-        ("layer", "<u4"), ("token", "<u4"),
-        ("ids", "<i4", (k,)), ("weights", "<f4", (k,)), ("used", "<i4", (k,)), ("action", "u1", (pad,)),
-    ]
-    if top_m:
-        fields += [("top_ids", "<i4", (top_m,)), ("top_score", "<f4", (top_m,))]
-    return np.dtype(fields)  # packed, little-endian
-
-
-def read_expert_trace(path: str | Path) -> ExpertTrace:
-    data = Path(path).read_bytes()
-    if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
-        raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
-    version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", data, 8)
-    if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
-        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
-                           f"{TRACE_VERSION}")
-    dt = trace_dtype(k, top_m)
-    if dt.itemsize != rsize:
-        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m} ({dt.itemsize})")
-    body = len(data) - hsize
-    if body % rsize:
-        raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
-    records = np.frombuffer(data, dtype=dt, offset=hsize)
-    return ExpertTrace(version, n_layer, n_expert, k, top_m, n_slots, records)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,9 +1,9 @@
 """Router traces of the expert cache (`trace=PATH` in the cache spec; format: docs/expert-cache.md).
 
-Reading is `harness.parsers.nll_dump.read_expert_trace` (header + numpy structured records); this module adds
-what the simulator and its tests need around it: the header alone, a writer (the exact byte layout the
-engine writes, so traces round-trip), decode order, counts of the recorded actions, and synthetic traces
-with a skewed, drifting expert popularity for benchmarks of `llama-moe-sim`.
+`read_expert_trace` reads a trace (header + numpy structured records); around it, what the simulator and its
+tests need: the header alone, a writer (the exact byte layout the engine writes, so traces round-trip),
+decode order, counts of the recorded actions, and synthetic traces with a skewed, drifting expert popularity
+for benchmarks of `llama-moe-sim`.
 """
 
 from __future__ import annotations
@@ -16,23 +16,60 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.core.errors import HarnessError
-from harness.parsers.nll_dump import (
-    ACTION_DROP,
-    ACTION_FETCH,
-    ACTION_HIT,
-    ACTION_SUBSTITUTE,
-    TRACE_HEADER_SIZE,
-    TRACE_MAGIC,
-    TRACE_VERSION,
-    ExpertTrace,
-    read_expert_trace,
-    trace_dtype,
-)
 
 __all__ = [
     "ExpertTrace", "TraceHeader", "RecordedActions", "read_expert_trace", "read_trace_header",
     "write_expert_trace", "decode_order", "recorded_actions", "synthetic_trace",
 ]
+
+TRACE_MAGIC = b"MOETRACE"
+TRACE_VERSION = 1
+TRACE_HEADER_SIZE = 64
+
+ACTION_HIT = 0
+ACTION_FETCH = 1
+ACTION_SUBSTITUTE = 2
+ACTION_DROP = 3
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertTrace:
+    version: int
+    n_layer: int
+    n_expert: int
+    k: int
+    top_m: int
+    n_slots: int
+    records: npt.NDArray[np.void]  # fields: layer, token, ids[k], weights[k], used[k], action[k], top_ids, top_score
+
+
+def trace_dtype(k: int, top_m: int) -> np.dtype[np.void]:
+    pad = (k + 3) // 4 * 4
+    fields: list[tuple[str, str] | tuple[str, str, tuple[int, ...]]] = [
+        ("layer", "<u4"), ("token", "<u4"),
+        ("ids", "<i4", (k,)), ("weights", "<f4", (k,)), ("used", "<i4", (k,)), ("action", "u1", (pad,)),
+    ]
+    if top_m:
+        fields += [("top_ids", "<i4", (top_m,)), ("top_score", "<f4", (top_m,))]
+    return np.dtype(fields)  # packed, little-endian
+
+
+def read_expert_trace(path: str | Path) -> ExpertTrace:
+    data = Path(path).read_bytes()
+    if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
+        raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
+    version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", data, 8)
+    if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
+        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
+                           f"{TRACE_VERSION}")
+    dt = trace_dtype(k, top_m)
+    if dt.itemsize != rsize:
+        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m} ({dt.itemsize})")
+    body = len(data) - hsize
+    if body % rsize:
+        raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
+    records = np.frombuffer(data, dtype=dt, offset=hsize)
+    return ExpertTrace(version, n_layer, n_expert, k, top_m, n_slots, records)
 
 
 @dataclass(frozen=True)

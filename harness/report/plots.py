@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.errors import HarnessError
-from harness.orchestration.sweep import FIRST_CHOICE_FETCHING, MassHypothesis, SweepResult, SweepRow, pareto_front
+from harness.domain.catalogue import FIRST_CHOICE_FETCHING
+from harness.domain.results import MassHypothesis, SweepResult, SweepRow
+from harness.stats.frontier import pareto_front
 
 FORMATS = ("png", "svg")
 

@@ -1,0 +1,93 @@
+"""The options of the commands that measure: what a run of compare, sweep, topics or study was asked to do.
+
+How options are written into and read back from a results folder's meta record is
+`harness.orchestration.serialise`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.core.sizes import Size
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    out: Path
+    model: Path | None = None  # None: the project's trained model (default_model)
+    vram: Size | None = None  # None: the budget that keeps DEFAULT_RESIDENCY of the experts resident
+    policies: tuple[str, ...] = ("quality", "speed", "fetch-all")
+    text: Path | None = None  # None: the held-out text (compare) or no quality runs (run_compare)
+    dataset: str | None = None  # a named dataset instead of --text (only from a local file)
+    runs: int = 5
+    n_ctx: int = 512
+    n_batch: int | None = None  # None: n_ctx (one sequence per batch: token order = decode order)
+    chunks: int | None = None
+    n_prompt: int = 512
+    n_gen: int = 128
+    threads: int | None = None
+    reserve_bytes: int = 0  # device memory kept for KV cache and compute buffers
+    speed: bool = True
+    quality: bool = True
+    bench_cache_mode: str = "engine"
+    n_boot: int = 2000
+    seed: int = 0
+    profile: str | None = "rtx3090"  # hardware profile for speed estimates when there is no GPU (None: none)
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    rules: tuple[str, ...] = ("fetch-all", "threshold", "first-choice", "substitute-all")
+    taus: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4)  # only for the threshold rule
+    admits: tuple[str, ...] = ("off", "0.5")  # "off" or a beta
+    evicts: tuple[str, ...] = ("lfu",)
+    fractions: tuple[float, ...] = (0.25,)  # resident share of each layer's experts
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    out: Path
+    model: Path | None = None  # None: the project's trained model
+    text: Path | None = None  # None: the held-out text
+    grid: SweepGrid = SweepGrid()
+    n_ctx: int = 512
+    chunks: int | None = None
+    threads: int | None = None
+    n_boot: int = 2000
+    seed: int = 0
+    profile: str = "rtx3090"  # hardware profile for the time-per-token estimates
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TopicOptions:
+    out: Path
+    model: Path | None = None
+    text: Path | None = None  # default: eval/data/topic-shift.txt (segments: the .json next to it)
+    tokenizer: Path | None = None  # default: the one *tokenizer.json in models/
+    policy: str = "quality"
+    fraction: float = 0.25
+    window: int = 256
+    n_ctx: int = 512
+    chunks: int | None = None
+    threads: int | None = None
+    n_boot: int = 2000
+    seed: int = 0
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    out: Path
+    model: Path | None = None
+    text: Path | None = None
+    residency: float = 0.25
+    n_ctx: int = 512
+    chunks: int | None = 32
+    threads: int | None = None
+    topics: bool = True
+    tokenizer: Path | None = None
+    seed: int = 0
+    argv: tuple[str, ...] = ()
