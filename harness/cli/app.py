@@ -91,13 +91,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.domain.catalogue import KNOWN_POLICIES
+    from harness.domain.catalogue import DEFAULT_POLICIES, KNOWN_POLICIES
 
     c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
     c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
                    "of the experts); default: the budget that keeps about 25%% of the experts resident")
     c.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
-    c.add_argument("--policies", default="quality,speed,fetch-all",
+    c.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s)")
     c.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
     c.add_argument("--dataset", help="wikitext-2, gsm8k or humaneval instead of --text: fetched once with the "
@@ -155,13 +155,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.catalogue import SWEEP_RULES, SWEEP_TAUS
+
     w = sub.add_parser("sweep", help="a grid of cache policies in emulate mode: quality/speed frontier, mass "
                        "hypothesis")
     w.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
     w.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
-    w.add_argument("--rules", default="fetch-all,threshold,first-choice,substitute-all",
-                   help="miss rules (default: %(default)s)")
-    w.add_argument("--taus", default="0.05,0.1,0.15,0.25,0.4", help="thresholds of the threshold rule "
+    w.add_argument("--rules", default=",".join(SWEEP_RULES), help="miss rules (default: %(default)s)")
+    w.add_argument("--taus", default=",".join(f"{t:g}" for t in SWEEP_TAUS), help="thresholds of the threshold rule "
                    "(default: %(default)s)")
     w.add_argument("--admits", default="off,0.5", help="admission: off or beta values (default: %(default)s)")
     w.add_argument("--evicts", default="lfu", help="eviction: lfu, lru (default: %(default)s)")
@@ -206,12 +207,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.catalogue import DEFAULT_POLICIES
+
     k = sub.add_parser("check", help="perplexity regression gate against a recorded baseline (for CI)")
     k.add_argument("--baseline", type=Path, required=True, help="baseline JSON (written by --update)")
     k.add_argument("--update", action="store_true", help="run and (re)write the baseline")
     k.add_argument("--tolerance", type=float, default=0.5, help="allowed worsening of delta PPL, in percentage "
                    "points, beyond the 95%% CI (written into a new baseline; default: %(default)s)")
-    k.add_argument("--policies", default="quality,speed,fetch-all", help="policies of a new baseline")
+    k.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="policies of a new baseline")
     k.add_argument("--model", type=Path, help="model (default: the baseline's, else the trained model)")
     k.add_argument("--text", type=Path, help="text (default: the baseline's, else eval/data/heldout.txt)")
     k.add_argument("--ctx", type=int, default=256, help="context of a new baseline (default: %(default)s)")
@@ -322,14 +325,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.domain.catalogue import KNOWN_POLICIES
+    from harness.domain.catalogue import DEFAULT_POLICIES, KNOWN_POLICIES
     from harness.domain.costmodel import list_profiles
 
     s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
                        "(cost model: estimates, not measurements)")
     s.add_argument("--trace", type=Path, required=True, help="a router trace (LLAMA_MOE_CACHE=...,trace=FILE)")
     s.add_argument("--model", type=Path, required=True, help="the .gguf the trace was recorded with")
-    s.add_argument("--policies", default="quality,speed,fetch-all",
+    s.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s; fetch-all, "
                    "the baseline, is always included)")
     s.add_argument("--residency", default="10%,25%,50%", help="comma-separated slots per layer: percentages of "

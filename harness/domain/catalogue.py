@@ -1,4 +1,8 @@
-"""The named cache configurations and miss rules (docs/expert-cache.md): the presets and keys are the engine's."""
+"""The policy catalogue: every named cache configuration and miss rule the harness knows, in one place.
+
+The presets and keys are the engine's (docs/expert-cache.md). `compare`, `check`, `topics`, `study`, `simulate`
+and the CLI's defaults and help all read their policy names from here.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +26,16 @@ POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
     "substitute-all": (("rule", "substitute-all"), ("evict", "lfu"), ("admit", "off")),
 }
 KNOWN_POLICIES = tuple(POLICIES)
+DEFAULT_POLICIES = ("quality", "speed", "fetch-all")  # compare, check (a new baseline) and simulate
+BASELINE_POLICY = "fetch-all"  # fetch every miss: never substitutes, the reference of speed-ups
+# harness study: the rules of finding 1 and the two presets with admission (findings 4 and 5)
+STUDY_POLICIES = ("fetch-all", "rule-0.15", "substitute-all", "first-choice", "quality", "speed")
 
 # Miss rules (the `rule` key), for sweeps.
 RULES = ("fetch-all", "threshold", "first-choice", "substitute-all", "drop")
+SWEEP_RULES = ("fetch-all", "threshold", "first-choice", "substitute-all")  # harness sweep's default grid
 FIRST_CHOICE_FETCHING = ("fetch-all", "threshold", "first-choice")  # rank 0 is always fetched
+SWEEP_TAUS = (0.05, 0.1, 0.15, 0.25, 0.4)  # thresholds of the threshold rule in a sweep
 
 
 def check_policies(policies: Sequence[str]) -> None:
@@ -37,6 +47,11 @@ def check_policies(policies: Sequence[str]) -> None:
         raise HarnessError("no policies to compare")
 
 
+def is_preset(policy: str) -> bool:
+    """Is the named configuration one of the engine's presets (`policy=...`, with its own admission)?"""
+    return "policy" in dict(POLICIES[policy])
+
+
 def policy_cache_spec(policy: str, mode: str, slots: int, stats: str | None) -> CacheSpec:
     """The cache spec of a named configuration (POLICIES) in `mode` with `slots` per layer."""
     items = POLICIES[policy]
@@ -44,3 +59,9 @@ def policy_cache_spec(policy: str, mode: str, slots: int, stats: str | None) -> 
     extra = tuple((k, v) for k, v in items if k != "policy")
     return CacheSpec(mode, preset, slots, stats, extra)
 
+
+def policy_items(policy: str) -> tuple[tuple[str, str], ...]:
+    """The spec keys of a named configuration (raises on an unknown name)."""
+    if policy not in POLICIES:
+        raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
+    return POLICIES[policy]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.core.sizes import Size
+from harness.domain.catalogue import DEFAULT_POLICIES, SWEEP_RULES, SWEEP_TAUS
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class CompareOptions:
     out: Path
     model: Path | None = None  # None: the project's trained model (default_model)
     vram: Size | None = None  # None: the budget that keeps DEFAULT_RESIDENCY of the experts resident
-    policies: tuple[str, ...] = ("quality", "speed", "fetch-all")
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     text: Path | None = None  # None: the held-out text (compare) or no quality runs (run_compare)
     dataset: str | None = None  # a named dataset instead of --text (only from a local file)
     runs: int = 5
@@ -39,8 +40,8 @@ class CompareOptions:
 
 @dataclass(frozen=True)
 class SweepGrid:
-    rules: tuple[str, ...] = ("fetch-all", "threshold", "first-choice", "substitute-all")
-    taus: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4)  # only for the threshold rule
+    rules: tuple[str, ...] = SWEEP_RULES
+    taus: tuple[float, ...] = SWEEP_TAUS  # only for the threshold rule
     admits: tuple[str, ...] = ("off", "0.5")  # "off" or a beta
     evicts: tuple[str, ...] = ("lfu",)
     fractions: tuple[float, ...] = (0.25,)  # resident share of each layer's experts

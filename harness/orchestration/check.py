@@ -18,7 +18,7 @@ from typing import Any
 
 from harness.core import project
 from harness.core.errors import HarnessError
-from harness.domain.catalogue import FULL
+from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
 from harness.domain.results import CompareResult
 from harness.orchestration.compare import compare
@@ -136,7 +136,7 @@ class CheckOptions:
     out: Path
     update: bool = False
     tolerance_pct: float = 0.5  # used when writing a baseline
-    policies: tuple[str, ...] = ("quality", "speed", "fetch-all")  # used when writing a new baseline
+    policies: tuple[str, ...] = DEFAULT_POLICIES  # used when writing a new baseline
     model: Path | None = None  # default: the baseline's, else the trained model
     text: Path | None = None
     n_ctx: int = 256

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build
-from harness.domain.catalogue import POLICIES
+from harness.domain.catalogue import BASELINE_POLICY, DEFAULT_POLICIES, policy_items
 from harness.domain.costmodel import (
     Profile,
     TokenWork,
@@ -49,8 +49,7 @@ from harness.parsers.sim import SIM_TOOL, SimRun, parse_sim_output
 from harness.parsers.trace import read_trace_header
 from harness.tools.runners import run_tool
 
-BASELINE = "fetch-all"
-DEFAULT_POLICIES = ("quality", "speed", "fetch-all")
+BASELINE = BASELINE_POLICY
 DEFAULT_RESIDENCIES = ("10%", "25%", "50%")
 _RESIDENCY = re.compile(r"^(\d+(\.\d+)?%|\d+)$")
 
@@ -113,10 +112,8 @@ def residency_slots(residency: str, n_expert: int) -> int:
 
 
 def sim_spec(policy: str, residency: str) -> str:
-    """The cache spec of a named policy (the catalogue's POLICIES) at a residency ("25%" or a slot count)."""
-    if policy not in POLICIES:
-        raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
-    items = [*POLICIES[policy], ("slots", check_residency(residency))]
+    """The cache spec of a named policy (the policy catalogue) at a residency ("25%" or a slot count)."""
+    items = [*policy_items(policy), ("slots", check_residency(residency))]
     return ",".join(f"{k}={v}" for k, v in items)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
 from harness.core.sizes import Size
+from harness.domain.catalogue import FIRST_CHOICE_FETCHING, STUDY_POLICIES, SWEEP_TAUS
 from harness.domain.options import CompareOptions, StudyOptions, SweepGrid, SweepOptions, TopicOptions
 from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult, Verdict
 from harness.orchestration.compare import compare
@@ -30,8 +31,6 @@ from harness.orchestration.topics import topic_shift
 from harness.parsers.nll_dump import NllDump, read_nll_dump_file
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
 from harness.tools.runners import Runner
-
-POLICIES = ("fetch-all", "rule-0.15", "substitute-all", "first-choice", "quality", "speed")
 
 
 def _fmt(d: DeltaPPL) -> str:
@@ -120,7 +119,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
 
     if not 0 < opts.residency <= 1:
         raise HarnessError(f"the residency must be in (0, 100]%, got {opts.residency * 100:g}%")
-    c = compare(CompareOptions(out=opts.out / "compare", model=opts.model, text=opts.text, policies=POLICIES,
+    c = compare(CompareOptions(out=opts.out / "compare", model=opts.model, text=opts.text, policies=STUDY_POLICIES,
                                vram=Size(fraction=opts.residency), n_ctx=opts.n_ctx,
                                chunks=opts.chunks, threads=opts.threads, speed=False, seed=opts.seed,
                                argv=opts.argv),
@@ -129,7 +128,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
     nll, _ = load_nlls(records, runner.load_nll if runner else read_nll_dump_file)
     pairs = policy_pairs(nll, [("substitute-all", "rule-0.15"), ("quality", "rule-0.15"), ("speed", "rule-0.15")],
                          seed=opts.seed)
-    grid = SweepGrid(rules=("fetch-all", "threshold", "first-choice"), taus=(0.05, 0.1, 0.15, 0.25, 0.4),
+    grid = SweepGrid(rules=FIRST_CHOICE_FETCHING, taus=SWEEP_TAUS,
                      admits=("off", "0.5"), fractions=(opts.residency,))
     s = sweep(SweepOptions(out=opts.out / "sweep", model=c.options.model, text=c.options.text, grid=grid,
                            n_ctx=opts.n_ctx, chunks=opts.chunks, threads=opts.threads, seed=opts.seed,

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from harness.core import project
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
-from harness.domain.catalogue import FULL, POLICIES, check_policies, policy_cache_spec
+from harness.domain.catalogue import FULL, check_policies, is_preset, policy_cache_spec
 from harness.domain.options import TopicOptions
 from harness.domain.plan import RunSpec
 from harness.domain.results import TopicResult, TopicRow
@@ -130,7 +130,7 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
     root = root or project.project_root()
     env = env or Environment()
     check_policies([opts.policy])
-    if "policy" not in dict(POLICIES[opts.policy]):
+    if not is_preset(opts.policy):
         raise HarnessError(f"{opts.policy} has no admission to switch off: use quality or speed")
     model = opts.model or default_model(root)
     text = opts.text or root / DEFAULT_TEXT
