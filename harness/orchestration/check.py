@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from harness.core.errors import HarnessError
 from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
 from harness.domain.results import CompareResult
+from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
 from harness.tools.runners import Runner
@@ -131,17 +132,18 @@ def gate(baseline: Baseline, result: CompareResult) -> tuple[GateLine, ...]:
 
 
 @dataclass(frozen=True)
-class CheckOptions:
+class CheckOptions(PerplexitySettings):
+    """`text`, `model`: default the baseline's, else the held-out text and the trained model; `n_ctx`, `chunks`
+    and `policies` are those of a new baseline (a recorded one keeps its own)."""
+
     baseline: Path
     out: Path
     update: bool = False
     tolerance_pct: float = 0.5  # used when writing a baseline
     policies: tuple[str, ...] = DEFAULT_POLICIES  # used when writing a new baseline
     model: Path | None = None  # default: the baseline's, else the trained model
-    text: Path | None = None
-    n_ctx: int = 256
-    chunks: int | None = 12
-    threads: int | None = None
+    n_ctx: int = field(default=256, kw_only=True)
+    chunks: int | None = field(default=12, kw_only=True)
     argv: tuple[str, ...] = ()
 
 
@@ -170,7 +172,7 @@ def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runne
         policies=tuple(base.policies) if base and not opts.update else opts.policies,
         n_ctx=base.n_ctx if base and not opts.update else opts.n_ctx,
         chunks=base.chunks if base and not opts.update else opts.chunks,
-        threads=opts.threads, speed=False, quality=True, argv=opts.argv, profile=None)
+        n_batch=opts.n_batch, threads=opts.threads, speed=False, quality=True, argv=opts.argv, profile=None)
     result = compare(copts, progress, runner=runner, env=env)
     if opts.update:
         new = baseline_from(result, base.tolerance_pct if base else opts.tolerance_pct, root)

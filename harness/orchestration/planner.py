@@ -85,10 +85,9 @@ def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
     model = model_of(opts)
     if opts.quality and opts.text is not None:
         def ppl(config: str, placement: Placement, cache: CacheSpec | None, dump: bool) -> PerplexityRequest:
-            return PerplexityRequest(
-                model=model, text=opts.text or Path(), placement=placement, n_ctx=opts.n_ctx,
-                n_batch=opts.n_batch or opts.n_ctx, chunks=opts.chunks, threads=opts.threads, cache=cache,
-                nll_dump=opts.out / "nll" / f"{safe_name(config)}.bin" if dump else None, label=config)
+            return opts.perplexity_request(model, opts.text or Path(), placement, cache=cache,
+                                           nll_dump=opts.out / "nll" / f"{safe_name(config)}.bin" if dump else None,
+                                           label=config)
 
         runs.append(RunSpec("ppl:full", "ppl", "patched", FULL, None,
                             ppl=ppl(FULL, plan.patched, CacheSpec("off"), True)))

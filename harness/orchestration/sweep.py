@@ -98,9 +98,8 @@ def sweep_runs(opts: SweepOptions, points: Sequence[SweepPoint]) -> list[RunSpec
     placement = Placement(n_cpu_moe=999)  # quality only: every expert tensor stays in host memory
 
     def req(label: str, cache: CacheSpec) -> PerplexityRequest:
-        return PerplexityRequest(model, text, placement, n_ctx=opts.n_ctx, n_batch=opts.n_ctx,
-                                 chunks=opts.chunks, threads=opts.threads, cache=cache,
-                                 nll_dump=opts.out / "nll" / f"{safe_name(label)}.bin", label=label)
+        return opts.perplexity_request(model, text, placement, cache=cache,
+                                       nll_dump=opts.out / "nll" / f"{safe_name(label)}.bin", label=label)
 
     runs = [RunSpec("ppl:full", "ppl", "patched", FULL, None, ppl=req(FULL, CacheSpec("off")))]
     for p in points:

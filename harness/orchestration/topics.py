@@ -145,9 +145,8 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
                   extra=(("admit", "off"),))
 
     def req(label: str, cache: CacheSpec) -> PerplexityRequest:
-        return PerplexityRequest(model, text, placement, n_ctx=opts.n_ctx, n_batch=opts.n_ctx, chunks=opts.chunks,
-                                 threads=opts.threads, cache=cache, nll_dump=opts.out / "nll" / f"{label}.bin",
-                                 label=label)
+        return opts.perplexity_request(model, text, placement, cache=cache,
+                                       nll_dump=opts.out / "nll" / f"{label}.bin", label=label)
 
     specs = [RunSpec("ppl:full", "ppl", "patched", FULL, None, ppl=req("full", CacheSpec("off"))),
              RunSpec("ppl:admit-on", "ppl", "patched", "admit-on", None, ppl=req("admit-on", on)),
