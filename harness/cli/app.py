@@ -9,15 +9,19 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from rich.console import Console
 
+from harness.cli import options
 from harness.core.errors import HarnessError
 
 console = Console()
 err_console = Console(stderr=True)
 
 Handler = Callable[[argparse.Namespace], int]
+ProgressFn = Callable[[int, int, str], None]  # (done, total, label), as the commands take it
+T = TypeVar("T")
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -56,34 +60,38 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- compare, sweep, check, report (issue 6: orchestration/compare.py, sweep.py, check.py, rerender.py) ---------
-
-def _cmd_compare(args: argparse.Namespace) -> int:
+def _with_progress(name: str, run: Callable[[ProgressFn], T]) -> T:
+    """Run `run(progress)` under a transient progress bar on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness.core import project, sizes
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task(name, total=None)
+
+        def progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        return run(progress)
+
+
+# ---- compare, sweep, check, report, topics, study ----------------------------------------------------------------
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from harness.core import sizes
     from harness.domain.options import CompareOptions
     from harness.orchestration import compare
     from harness.report import terminal
 
     opts = CompareOptions(
-        out=args.out or project.project_root() / "results" / f"compare-{(args.model or compare.default_model()).stem}",
+        out=args.out or options.out_dir(args, f"compare-{(args.model or compare.default_model()).stem}"),
         model=args.model,
         vram=sizes.parse_size(args.vram) if args.vram else None,
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        text=args.text, dataset=args.dataset, runs=args.runs, n_ctx=args.ctx, chunks=args.chunks or None,
-        n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads,
+        policies=options.words(args.policies), dataset=args.dataset, runs=args.runs,
+        n_prompt=args.n_prompt, n_gen=args.n_gen,
         reserve_bytes=(sizes.parse_size(args.reserve, allow_percent=False).bytes or 0) if args.reserve else 0,
         speed=not args.no_speed, quality=not args.no_quality, bench_cache_mode=args.speed_mode, seed=args.seed,
-        argv=tuple(sys.argv))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as bar:
-        task = bar.add_task("compare", total=None)
-
-        def progress(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=label)
-
-        result = compare.compare(opts, progress)
+        argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("compare", lambda progress: compare.compare(opts, progress))
     console.print(terminal.render_compare(result))
     if result.interrupted:
         return 130
@@ -91,65 +99,40 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.domain.catalogue import DEFAULT_POLICIES, KNOWN_POLICIES
-
     c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
     c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
                    "of the experts); default: the budget that keeps about 25%% of the experts resident")
-    c.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
-    c.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s)")
-    c.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
+    options.add_model(c)
+    options.add_policies(c)
+    options.add_text(c, "text for perplexity (default: eval/data/heldout.txt)")
     c.add_argument("--dataset", help="wikitext-2, gsm8k or humaneval instead of --text: fetched once with the "
                    "'datasets' package and cached; offline, pass a local file with --text")
     c.add_argument("--runs", type=int, default=5, help="speed repetitions per configuration (default: %(default)s)")
-    c.add_argument("--out", type=Path,
-                   help="results folder (default: results/compare-MODEL); an existing one is resumed")
-    c.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
-    c.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
+    options.add_out(c, "results folder (default: results/compare-MODEL); an existing one is resumed")
+    options.add_ctx(c, 512)
+    options.add_chunks(c, 32)
     c.add_argument("--n-prompt", type=int, default=512, help="llama-bench prompt tokens (default: %(default)s)")
     c.add_argument("--n-gen", type=int, default=128, help="llama-bench generated tokens (default: %(default)s)")
-    c.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    options.add_threads(c)
     c.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for KV cache and compute buffers")
     c.add_argument("--speed-mode", default="engine", help="cache mode for speed runs (default: %(default)s)")
     c.add_argument("--no-speed", action="store_true", help="skip the llama-bench runs")
     c.add_argument("--no-quality", action="store_true", help="skip the perplexity runs")
-    c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    options.add_seed(c)
     c.set_defaults(func=_cmd_compare)
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise HarnessError(f"not a comma-separated list of numbers: {text!r}") from None
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from harness.core import project
     from harness.domain.options import SweepGrid, SweepOptions
     from harness.orchestration import sweep
     from harness.report import terminal
 
-    grid = SweepGrid(rules=_words(args.rules), taus=_floats(args.taus), admits=_words(args.admits),
-                           evicts=_words(args.evicts), fractions=tuple(f / 100 for f in _floats(args.residency)))
-    opts = SweepOptions(out=args.out or project.project_root() / "results" / "sweep", model=args.model,
-                              text=args.text, grid=grid, n_ctx=args.ctx, chunks=args.chunks or None,
-                              threads=args.threads, seed=args.seed, profile=args.profile, argv=tuple(sys.argv))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as bar:
-        task = bar.add_task("sweep", total=None)
-
-        def progress(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=label)
-
-        result = sweep.sweep(opts, progress)
+    grid = SweepGrid(rules=options.words(args.rules), taus=options.floats(args.taus),
+                     admits=options.words(args.admits), evicts=options.words(args.evicts),
+                     fractions=tuple(f / 100 for f in options.floats(args.residency)))
+    opts = SweepOptions(out=options.out_dir(args, "sweep"), model=args.model, grid=grid, seed=args.seed,
+                        profile=args.profile, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("sweep", lambda progress: sweep.sweep(opts, progress))
     console.print(terminal.render_sweep(result))
     return 130 if result.interrupted else 0
 
@@ -159,8 +142,8 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     w = sub.add_parser("sweep", help="a grid of cache policies in emulate mode: quality/speed frontier, mass "
                        "hypothesis")
-    w.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
-    w.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
+    options.add_model(w)
+    options.add_text(w)
     w.add_argument("--rules", default=",".join(SWEEP_RULES), help="miss rules (default: %(default)s)")
     w.add_argument("--taus", default=",".join(f"{t:g}" for t in SWEEP_TAUS), help="thresholds of the threshold rule "
                    "(default: %(default)s)")
@@ -168,23 +151,21 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--evicts", default="lfu", help="eviction: lfu, lru (default: %(default)s)")
     w.add_argument("--residency", default="25", help="resident percent of each layer's experts "
                    "(default: %(default)s)")
-    w.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
-    w.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
-    w.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    options.add_ctx(w, 512)
+    options.add_chunks(w, 32)
+    options.add_threads(w)
     w.add_argument("--profile", default="rtx3090", help="hardware profile for time estimates (default: %(default)s)")
-    w.add_argument("--out", type=Path, help="results folder (default: results/sweep); an existing one is resumed")
-    w.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    options.add_out(w, "results folder (default: results/sweep); an existing one is resumed")
+    options.add_seed(w)
     w.set_defaults(func=_cmd_sweep)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from harness.core import project
     from harness.orchestration import check
 
-    opts = check.CheckOptions(baseline=args.baseline, out=args.out or project.project_root() / "results" / "check",
-                              update=args.update, tolerance_pct=args.tolerance, policies=_words(args.policies),
-                              model=args.model, text=args.text, n_ctx=args.ctx, chunks=args.chunks or None,
-                              threads=args.threads, argv=tuple(sys.argv))
+    opts = check.CheckOptions(baseline=args.baseline, out=options.out_dir(args, "check"), update=args.update,
+                              tolerance_pct=args.tolerance, policies=options.words(args.policies),
+                              model=args.model, argv=tuple(sys.argv), **options.perplexity_settings(args))
     result = check.check(opts)
     for line in result.lines:
         console.print(f"{'ok  ' if line.ok else 'FAIL'} {line.policy}: {line.message}", highlight=False)
@@ -207,25 +188,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.domain.catalogue import DEFAULT_POLICIES
-
     k = sub.add_parser("check", help="perplexity regression gate against a recorded baseline (for CI)")
     k.add_argument("--baseline", type=Path, required=True, help="baseline JSON (written by --update)")
     k.add_argument("--update", action="store_true", help="run and (re)write the baseline")
     k.add_argument("--tolerance", type=float, default=0.5, help="allowed worsening of delta PPL, in percentage "
                    "points, beyond the 95%% CI (written into a new baseline; default: %(default)s)")
-    k.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="policies of a new baseline")
-    k.add_argument("--model", type=Path, help="model (default: the baseline's, else the trained model)")
-    k.add_argument("--text", type=Path, help="text (default: the baseline's, else eval/data/heldout.txt)")
-    k.add_argument("--ctx", type=int, default=256, help="context of a new baseline (default: %(default)s)")
-    k.add_argument("--chunks", type=int, default=12, help="chunks of a new baseline (default: %(default)s)")
-    k.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
-    k.add_argument("--out", type=Path, help="results folder (default: results/check)")
+    options.add_policies(k, "policies of a new baseline")
+    options.add_model(k, "model (default: the baseline's, else the trained model)")
+    options.add_text(k, "text (default: the baseline's, else eval/data/heldout.txt)")
+    options.add_ctx(k, 256, "context of a new baseline (default: %(default)s)")
+    options.add_chunks(k, 12, "chunks of a new baseline (default: %(default)s)")
+    options.add_threads(k)
+    options.add_out(k, "results folder (default: results/check)")
     k.set_defaults(func=_cmd_check)
 
     r = sub.add_parser("report", help="re-render the tables and report.md of a compare or sweep results folder")
     r.add_argument("results", type=Path, help="the --out folder (or its results.jsonl)")
-    r.add_argument("--model", type=Path, help="the model, if it moved since the run")
+    options.add_model(r, "the model, if it moved since the run")
     r.add_argument("--plots", action="store_true", help="also draw a sweep's quality/speed frontier and mass "
                    "hypothesis as PNG and SVG into DIR/plots (needs matplotlib: pip install -e '.[plot]')")
     r.set_defaults(func=_cmd_report)
@@ -234,15 +213,13 @@ def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParse
 def _cmd_topics(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
-    from harness.core import project
     from harness.domain.options import TopicOptions
     from harness.orchestration import topics
     from harness.report import markdown
 
-    opts = TopicOptions(out=args.out or project.project_root() / "results" / "topics", model=args.model,
-                               text=args.text, tokenizer=args.tokenizer, policy=args.policy,
-                               fraction=args.residency / 100, window=args.window, n_ctx=args.ctx,
-                               chunks=args.chunks or None, threads=args.threads, argv=tuple(sys.argv))
+    opts = TopicOptions(out=options.out_dir(args, "topics"), model=args.model, tokenizer=args.tokenizer,
+                        policy=args.policy, fraction=args.residency / 100, window=args.window,
+                        argv=tuple(sys.argv), **options.perplexity_settings(args))
     result = topics.topic_shift(opts)
     console.print(Markdown(markdown.render_topics_markdown(result)))
     return 0
@@ -250,32 +227,29 @@ def _cmd_topics(args: argparse.Namespace) -> int:
 
 def _add_topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser("topics", help="background admission after topic changes (eval/data/topic-shift.txt)")
-    t.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
+    options.add_model(t)
     t.add_argument("--tokenizer", type=Path, help="the model's Hugging Face tokenizer.json (default: models/)")
-    t.add_argument("--text", type=Path, help="text with a .json of segments beside it "
-                   "(default: eval/data/topic-shift.txt)")
+    options.add_text(t, "text with a .json of segments beside it (default: eval/data/topic-shift.txt)")
     t.add_argument("--policy", default="quality", help="quality or speed (default: %(default)s)")
     t.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
     t.add_argument("--window", type=int, default=256, help="tokens after a change (default: %(default)s)")
-    t.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
-    t.add_argument("--chunks", type=int, default=0, help="perplexity chunks, 0 = all (default: %(default)s)")
-    t.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
-    t.add_argument("--out", type=Path, help="results folder (default: results/topics)")
+    options.add_ctx(t, 512)
+    options.add_chunks(t, 0)
+    options.add_threads(t)
+    options.add_out(t, "results folder (default: results/topics)")
     t.set_defaults(func=_cmd_topics)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
-    from harness.core import project
     from harness.domain.options import StudyOptions
     from harness.orchestration import study
     from harness.report import markdown
 
-    opts = StudyOptions(out=args.out or project.project_root() / "results" / "study", model=args.model,
-                              text=args.text, residency=args.residency / 100, n_ctx=args.ctx,
-                              chunks=args.chunks or None, threads=args.threads, topics=not args.no_topics,
-                              tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv))
+    opts = StudyOptions(out=options.out_dir(args, "study"), model=args.model, residency=args.residency / 100,
+                        topics=not args.no_topics, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
+                        **options.perplexity_settings(args))
     result = study.study(opts)
     console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
@@ -284,32 +258,27 @@ def _cmd_study(args: argparse.Namespace) -> int:
 def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("study", help="re-test the study's findings on a model (compare + sweep + topics), "
                        "with verdicts")
-    s.add_argument("--model", type=Path, help="a .gguf MoE model (default: the project's trained model in models/)")
-    s.add_argument("--text", type=Path, help="text for perplexity (default: eval/data/heldout.txt)")
+    options.add_model(s)
+    options.add_text(s)
     s.add_argument("--tokenizer", type=Path, help="the model's tokenizer.json, for the topic-change part")
     s.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
-    s.add_argument("--ctx", type=int, default=512, help="perplexity context (default: %(default)s)")
-    s.add_argument("--chunks", type=int, default=32, help="perplexity chunks, 0 = all (default: %(default)s)")
-    s.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    options.add_ctx(s, 512)
+    options.add_chunks(s, 32)
+    options.add_threads(s)
     s.add_argument("--no-topics", action="store_true", help="skip the topic-change part")
-    s.add_argument("--out", type=Path, help="results folder (default: results/study); an existing one is resumed")
-    s.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
+    options.add_out(s, "results folder (default: results/study); an existing one is resumed")
+    options.add_seed(s)
     s.set_defaults(func=_cmd_study)
 
-# ---- end of compare, sweep, check, report, topics, study ---------------------------------------------------------
 
-
-# ---- simulate, calibrate (issue 7: orchestration/simulate.py) ---------------------------------------------------
+# ---- simulate, calibrate ----------------------------------------------------------------------------------------
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from harness.orchestration import simulate
     from harness.report.simulate import render_simulate
 
-    opts = simulate.SimulateOptions(
-        trace=args.trace, model=args.model,
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        residencies=tuple(r.strip() for r in args.residency.split(",") if r.strip()),
-        profile=args.profile)
+    opts = simulate.SimulateOptions(trace=args.trace, model=args.model, policies=options.words(args.policies),
+                                    residencies=options.words(args.residency), profile=args.profile)
     rows = simulate.simulate(opts)
     print(render_simulate(rows, markdown=args.markdown), end="")
     return 0
@@ -325,16 +294,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from harness.domain.catalogue import DEFAULT_POLICIES, KNOWN_POLICIES
     from harness.domain.costmodel import list_profiles
 
     s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
                        "(cost model: estimates, not measurements)")
     s.add_argument("--trace", type=Path, required=True, help="a router trace (LLAMA_MOE_CACHE=...,trace=FILE)")
-    s.add_argument("--model", type=Path, required=True, help="the .gguf the trace was recorded with")
-    s.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s; fetch-all, "
-                   "the baseline, is always included)")
+    options.add_model(s, "the .gguf the trace was recorded with", required=True)
+    options.add_policies(s, note="; fetch-all, the baseline, is always included")
     s.add_argument("--residency", default="10%,25%,50%", help="comma-separated slots per layer: percentages of "
                    "each layer's experts or counts (default: %(default)s)")
     s.add_argument("--profile", default="rtx3090",
@@ -349,8 +315,6 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     c.add_argument("-o", "--output", type=Path, required=True, help="where to write the fitted profile (.json)")
     c.add_argument("--name", help="the fitted profile's name (default: <base>-calibrated)")
     c.set_defaults(func=_cmd_calibrate)
-
-# ---- end of simulate, calibrate ---------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -409,7 +373,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("harness: interrupted; finished results were kept")
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
