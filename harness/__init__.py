@@ -13,8 +13,9 @@ import each other in a circle (tests/test_layers.py checks both):
   `plan`s and `results` of the commands, the cost model. Frozen dataclasses and pure rules.
 - `tools`: the outside world: `runners` of the built llama.cpp tools (the only place that starts them), host
   probes, generated test models (`synth`), datasets.
-- `parsers`: every text and binary format the tools write, into frozen dataclasses: perplexity, llama-bench,
-  memory breakdown, cache statistics, llama-moe-sim's output, router traces, NLL dumps, GGUF metadata.
+- `parsers`: the text and binary formats, into frozen dataclasses: what the tools write (perplexity,
+  llama-bench, memory breakdown, cache statistics, llama-moe-sim's output, router traces, NLL dumps), GGUF
+  metadata, and check's baseline file.
 - `stats`: pure statistics of numbers: intervals, paired deltas, correlation, the Pareto frontier.
 - `core`: the error type, sizes, where things are (project root, pin, builds), JSON Lines records.
 

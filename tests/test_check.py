@@ -9,7 +9,8 @@ import pytest
 from test_compare import FakeEnv, FakeRunner
 
 from harness.core.errors import HarnessError
-from harness.orchestration.check import Baseline, CheckOptions, check, gate, read_baseline
+from harness.orchestration.check import CheckOptions, check, gate
+from harness.parsers.baseline import Baseline, read_baseline
 
 
 def _setup(tmp_path: Path, synth: Path) -> CheckOptions:
