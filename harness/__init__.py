@@ -1,3 +1,28 @@
-"""moe-subst harness: build-aware runners, parsers, statistics and reports for the expert cache."""
+"""moe-subst harness: build-aware runners, parsers, statistics and reports for the expert cache.
+
+Layers, top to bottom; a module imports only from its own layer and the layers below it, and no modules
+import each other in a circle (tests/test_layers.py checks both):
+
+- `cli`: the `harness` command, an argparse adapter (parse, call one function, render); `cli.options` holds the
+  options that several commands share.
+- `orchestration`: the commands: compare (its `planner`, run `executor`, `serialise`r of records and options,
+  `summary` statistics), sweep, topics, study, check, simulate, doctor, and `rerender` (`harness report`).
+  They run tools, summarise and write report.md through the report layer.
+- `report`: renderers, pure functions of results: terminal tables, markdown, simulate's tables, plots.
+- `domain`: what the layers hand each other: the policy `catalogue`, the perplexity `settings`, options,
+  `plan`s and `results` of the commands, the cost model. Frozen dataclasses and pure rules.
+- `tools`: the outside world: `runners` of the built llama.cpp tools (the only place that starts them), host
+  probes, generated test models (`synth`), datasets.
+- `parsers`: the text and binary formats, into frozen dataclasses: what the tools write (perplexity,
+  llama-bench, memory breakdown, cache statistics, llama-moe-sim's output, router traces, NLL dumps), GGUF
+  metadata, and check's baseline file.
+- `stats`: pure statistics of numbers: intervals, paired deltas, correlation, the Pareto frontier.
+- `core`: the error type, sizes, where things are (project root, pin, builds), JSON Lines records.
+
+The issue behind this order listed report below stats; here report sits above domain (and so above tools,
+parsers and stats) because its renderers take the commands' results, which hold statistics and parsed
+records, and below orchestration because the commands write their report.md. `profiles/` is packaged data
+(hardware profiles of the cost model).
+"""
 
 __version__ = "0.1.0"

@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.project import get_build  # noqa: E402
-from harness.stats import mean_ci, ratio_ci  # noqa: E402
-from harness.synth import SynthSpec, write_synth_model  # noqa: E402
+from harness.core.project import get_build  # noqa: E402
+from harness.stats.intervals import mean_ci, ratio_ci  # noqa: E402
+from harness.tools.synth import SynthSpec, write_synth_model  # noqa: E402
 
 RUNS = [
     ("stock", "stock", None),

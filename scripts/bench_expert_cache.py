@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.project import get_build  # noqa: E402
-from harness.synth import SynthSpec, synth_text, write_synth_model  # noqa: E402
+from harness.core.project import get_build  # noqa: E402
+from harness.tools.synth import SynthSpec, synth_text, write_synth_model  # noqa: E402
 
 
 def run(args: list[str], spec: str | None) -> str:

@@ -2,7 +2,7 @@
 """Replay speed of llama-moe-sim: token-layer decisions per second (goal: >= 1 million on the dev machine).
 
 Writes a synthetic router trace at the scale of the study's model (Qwen3-Next-80B-A3B: 48 MoE layers,
-512 experts, top-10; harness.trace.synthetic_trace: Zipf popularity with topic changes), or takes a
+512 experts, top-10; harness.parsers.trace.synthetic_trace: Zipf popularity with topic changes), or takes a
 recorded one (--trace), replays it under each policy at each residency (--repeat times, after one
 warm-up replay), and prints the decision rate of each and the slowest. A benchmark, not a test: record
 the numbers, do not assert them.
@@ -24,10 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.project import get_build  # noqa: E402
-from harness.runners import run_tool  # noqa: E402
-from harness.simulate import SIM_TOOL, parse_sim_summary, sim_args, sim_spec  # noqa: E402
-from harness.trace import read_trace_header, synthetic_trace, write_expert_trace  # noqa: E402
+from harness.core.project import get_build  # noqa: E402
+from harness.orchestration.simulate import sim_args, sim_spec  # noqa: E402
+from harness.parsers.sim import SIM_TOOL, parse_sim_summary  # noqa: E402
+from harness.parsers.trace import read_trace_header, synthetic_trace, write_expert_trace  # noqa: E402
+from harness.tools.runners import run_tool  # noqa: E402
 
 
 def main() -> int:

@@ -26,9 +26,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.expert_trace import read_nll_dump_file  # noqa: E402
-from harness.project import get_build  # noqa: E402
-from harness.synth import ARCHS, SynthSpec, synth_text, write_synth_model  # noqa: E402
+from harness.core.project import get_build  # noqa: E402
+from harness.parsers.nll_dump import read_nll_dump_file  # noqa: E402
+from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_synth_model  # noqa: E402
 
 POLICIES = ("policy=fetch-all", "policy=quality", "policy=speed", "rule=threshold,admit=off",
             "rule=first-choice,admit=off", "rule=substitute-all,admit=off", "rule=drop")

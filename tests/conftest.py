@@ -1,10 +1,10 @@
-"""Shared fixtures: generated models (harness.synth) and the builds made by ./build.sh.
+"""Shared fixtures: generated models (harness.tools.synth) and the builds made by ./build.sh.
 
 - `synth_models`: dict arch -> path of a default-sized random-weight MoE GGUF (f32), one per arch in
-  harness.synth.ARCHS, written once per session.
+  harness.tools.synth.ARCHS, written once per session.
 - `dense_model`: a tiny dense (non-MoE) qwen3 GGUF.
 - `synth_text_file`: about 6 KB of deterministic English-looking text for llama-perplexity.
-- `stock_build` / `patched_build`: harness.project.Build objects; the test is skipped (with the reason)
+- `stock_build` / `patched_build`: harness.core.project.Build objects; the test is skipped (with the reason)
   when build/builds.json or the binaries are missing.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.project import Build, read_builds, with_log_drain
-from harness.synth import ARCHS, SynthSpec, synth_text, write_dense_model, write_synth_model
+from harness.core.errors import HarnessError
+from harness.core.project import Build, read_builds, with_log_drain
+from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_dense_model, write_synth_model
 
 # Every llama.cpp tool a test starts gets the log-drain library (see scripts/log_drain_preload.c): without it
 # the stock build loses its last log lines in about half of the short runs (upstream issue 22142).

@@ -1,4 +1,4 @@
-"""harness.check: the regression gate (pure cases by hand) and the command with a fake runner."""
+"""harness.orchestration.check: the regression gate (pure cases by hand) and the command with a fake runner."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from test_compare import FakeEnv, FakeRunner
 
-from harness.check import Baseline, CheckOptions, check, gate, read_baseline
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.orchestration.check import CheckOptions, check, gate
+from harness.parsers.baseline import Baseline, read_baseline
 
 
 def _setup(tmp_path: Path, synth: Path) -> CheckOptions:

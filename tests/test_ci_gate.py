@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import project
 from harness.cli import main
-from harness.project import Build
+from harness.core import project
+from harness.core.project import Build
 
 BASELINE = project.project_root() / "eval" / "baselines" / "tinymoe.json"
 

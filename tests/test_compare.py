@@ -1,4 +1,4 @@
-"""harness.compare with a fake runner: run order, interleaving, resume, Ctrl-C, budget verification."""
+"""harness.orchestration.compare with a fake runner: run order, interleaving, resume, Ctrl-C, budget verification."""
 
 from __future__ import annotations
 
@@ -8,27 +8,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.compare import (
-    CompareOptions,
-    Environment,
-    compare,
-    default_model,
-    plan_compare,
-    plan_runs,
-    policy_cache_spec,
-    resolve_text,
-    run_compare,
-    verify_budget,
-)
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.gguf_model import ExpertTensor, ModelInfo
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.core.records import Provenance, ResultsFile
+from harness.core.sizes import Size
+from harness.domain.catalogue import policy_cache_spec
+from harness.domain.options import CompareOptions
+from harness.orchestration.compare import compare, default_model, resolve_text, run_compare
+from harness.orchestration.executor import Environment
+from harness.orchestration.planner import plan_compare, plan_runs
+from harness.orchestration.summary import verify_budget
 from harness.parsers import BenchResult, PerplexityResult
 from harness.parsers.cache_stats import CacheStats
-from harness.project import Build
-from harness.results import Provenance, ResultsFile
-from harness.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput, ToolCrashedError
-from harness.sizes import Size
+from harness.parsers.gguf_model import ExpertTensor, ModelInfo
+from harness.parsers.nll_dump import NllDump
+from harness.tools.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput, ToolCrashedError
 
 MiB = 2**20
 N_TOK = 200

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare import CompareOptions, compare, default_model
-from harness.errors import HarnessError
-from harness.project import Build
-from harness.results import SCHEMA_VERSION
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.core.records import SCHEMA_VERSION
+from harness.domain.options import CompareOptions
+from harness.orchestration.compare import compare, default_model
 
 
 def _check_records(out: Path) -> list[dict[str, object]]:

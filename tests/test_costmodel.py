@@ -2,9 +2,9 @@ import dataclasses
 
 import pytest
 
-from harness import costmodel
-from harness.costmodel import Profile, TokenWork, calibrate, estimate
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.domain import costmodel
+from harness.domain.costmodel import Profile, TokenWork, calibrate, estimate
 
 P = Profile(name="t", description="test", vram_bytes=24 * 2**30, vram_bw_gbs=1000.0, h2d_bw_gbs=20.0,
             fetch_latency_us=10.0, layer_roundtrip_us=50.0, layer_fixed_us=20.0, cpu_bw_gbs=40.0)

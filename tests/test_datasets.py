@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from harness.datasets import DATASETS, DatasetSpec, dataset_text
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.tools.datasets import DATASETS, DatasetSpec, dataset_text
 
 
 @pytest.fixture(autouse=True)

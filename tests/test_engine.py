@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.expert_trace import read_nll_dump_file
-from harness.project import Build
-from harness.synth import ARCHS, SynthSpec, synth_text, write_synth_model
+from harness.core.project import Build
+from harness.parsers.nll_dump import read_nll_dump_file
+from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_synth_model
 
 N_EXPERT = 64
 K = 8

@@ -22,15 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.expert_trace import (
-    ACTION_FETCH,
-    ACTION_HIT,
-    ACTION_SUBSTITUTE,
-    read_expert_trace,
-    read_nll_dump_file,
-)
-from harness.project import Build
-from harness.synth import ARCHS, SynthSpec, synth_text, write_synth_model
+from harness.core.project import Build
+from harness.parsers.nll_dump import read_nll_dump_file
+from harness.parsers.trace import ACTION_FETCH, ACTION_HIT, ACTION_SUBSTITUTE, read_expert_trace
+from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_synth_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUR_SRC = ROOT / "src"  # our C++: src/llama (libllama), src/include (the C API and the counter table)

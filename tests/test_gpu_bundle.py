@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import project
-from harness.project import Build
+from harness.core import project
+from harness.core.project import Build
 
 ROOT = project.project_root()
 

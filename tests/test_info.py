@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from harness.cli import main
-from harness.errors import HarnessError, NotMoEError
-from harness.gguf_model import read_model_info
+from harness.core.errors import HarnessError, NotMoEError
+from harness.parsers.gguf_model import read_model_info
 
 
 def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: int = 16, k: int = 2) -> Path:

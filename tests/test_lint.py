@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness import project
+from harness.core import project
 
 ROOT = project.project_root()
 

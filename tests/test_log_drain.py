@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.project import Build, log_drain_preload
+from harness.core.project import Build, log_drain_preload
 
 
 @pytest.mark.build

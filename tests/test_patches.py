@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import project
+from harness.core import project
 
 ROOT = project.project_root()
 PRISTINE = ROOT / "vendor" / "llama.cpp"

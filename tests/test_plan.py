@@ -1,9 +1,9 @@
 import pytest
 
-from harness.errors import HarnessError
-from harness.gguf_model import ExpertTensor, ModelInfo
-from harness.plan import budget_bytes, plan_slots
-from harness.sizes import parse_size
+from harness.core.errors import HarnessError
+from harness.core.sizes import parse_size
+from harness.domain.plan import budget_bytes, plan_slots
+from harness.parsers.gguf_model import ExpertTensor, ModelInfo
 
 MiB = 2**20
 

@@ -1,4 +1,4 @@
-"""harness.plots and `harness report --plots`: figures of the study's real sweep folder, the fitted line against
+"""harness.report.plots and `harness report --plots`: figures of the study's real sweep folder, the fitted line against
 numpy, and the one-line error without matplotlib."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import plots
 from harness.cli import main
-from harness.errors import HarnessError
-from harness.stats import DeltaPPL
-from harness.sweep import SweepPoint, SweepRow, mass_hypothesis, reload_sweep
+from harness.core.errors import HarnessError
+from harness.domain.plan import SweepPoint
+from harness.domain.results import SweepRow
+from harness.orchestration.sweep import mass_hypothesis, reload_sweep
+from harness.report import plots
+from harness.stats.intervals import DeltaPPL
 
 pytest.importorskip("matplotlib")
 

@@ -1,4 +1,4 @@
-"""harness.report: the renderers, on a comparison run with the fake runner of test_compare."""
+"""harness.report.markdown: the renderers, on a comparison run with the fake runner of test_compare."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ from pathlib import Path
 import pytest
 from test_compare import FakeEnv, FakeRunner, _info
 
-from harness.compare import CompareOptions, CompareResult, compare, reload_compare, run_compare
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.project import Build
-from harness.report import render_compare_markdown, render_compare_text
-from harness.runners import PerplexityRequest, PerplexityRun
-from harness.sizes import parse_size
-from harness.sweep import reload_sweep
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.core.sizes import parse_size
+from harness.domain.options import CompareOptions
+from harness.domain.results import CompareResult
+from harness.orchestration.compare import compare, reload_compare, run_compare
+from harness.orchestration.sweep import reload_sweep
+from harness.parsers.nll_dump import NllDump
+from harness.report.markdown import render_compare_markdown
+from harness.report.terminal import render_compare_text
+from harness.tools.runners import PerplexityRequest, PerplexityRun
 
 
 def _result(tmp_path: Path, gpu: str = "none", runs: int = 3) -> CompareResult:
@@ -112,7 +115,7 @@ def test_reload_compare_renders_the_same_report(tmp_path: Path, synth_models: di
 
 
 def test_rerender_dispatches_on_the_meta_record(tmp_path: Path, synth_models: dict[str, Path]) -> None:
-    from harness.rerender import rerender
+    from harness.orchestration.rerender import rerender
 
     text = tmp_path / "t.txt"
     text.write_text("text")

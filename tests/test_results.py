@@ -1,4 +1,4 @@
-"""harness.results: the JSON Lines writer and reader."""
+"""harness.core.records: the JSON Lines writer and reader."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.results import SCHEMA_VERSION, Provenance, ResultsFile, make_record
+from harness.core.errors import HarnessError
+from harness.core.records import SCHEMA_VERSION, Provenance, ResultsFile, make_record
 
 PROV = Provenance("llama-cpp-python-0.3.36", "ab" * 32, "0123456789abcdef", {"stock/llama-bench": "ff" * 8}, "cpu",
                   "none", ("harness", "compare"), "2026-11-29T00:00:00+00:00")

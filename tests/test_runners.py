@@ -1,4 +1,4 @@
-"""harness.runners with stand-in executables (shell scripts); no llama.cpp build needed."""
+"""harness.tools.runners with stand-in executables (shell scripts); no llama.cpp build needed."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.project import Build
-from harness.runners import (
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.tools.runners import (
     CACHE_ENV_VAR,
     BenchRequest,
     CacheSpec,

@@ -1,4 +1,4 @@
-"""harness.simulate and llama-moe-sim.
+"""harness.orchestration.simulate and llama-moe-sim.
 
 - Pure: policy specs, the replay summary parser, the cost model applied to simulated statistics on a
   hand-computed case (with a fake runner), the table, calibration from synthetic measurements.
@@ -18,27 +18,24 @@ from typing import Any
 
 import pytest
 
-from harness.costmodel import Profile, TokenWork, estimate, load_profile_file, profile_json
-from harness.errors import HarnessError
-from harness.gguf_model import ModelInfo, read_model_info
-from harness.parsers import ParseError
-from harness.project import Build, BuildMissingError
-from harness.simulate import (
-    SIM_TOOL,
-    SimRun,
+from harness.core.errors import BuildMissingError, HarnessError
+from harness.core.project import Build
+from harness.domain.costmodel import Profile, TokenWork, estimate, load_profile_file, profile_json
+from harness.orchestration.simulate import (
     ToolSimRunner,
     check_residency,
     parse_calibration_runs,
-    parse_sim_output,
-    parse_sim_summary,
-    render_simulate,
     residency_slots,
     run_calibrate,
     run_simulate,
     sim_spec,
 )
-from harness.synth import SynthSpec, synth_text, write_synth_model
-from harness.trace import synthetic_trace, write_expert_trace
+from harness.parsers import ParseError
+from harness.parsers.gguf_model import ModelInfo, read_model_info
+from harness.parsers.sim import SIM_TOOL, SimRun, parse_sim_output, parse_sim_summary
+from harness.parsers.trace import synthetic_trace, write_expert_trace
+from harness.report.simulate import render_simulate
+from harness.tools.synth import SynthSpec, synth_text, write_synth_model
 
 P = Profile(name="hand", description="test", vram_bytes=24 * 2**30, vram_bw_gbs=1000.0, h2d_bw_gbs=20.0,
             fetch_latency_us=10.0, layer_roundtrip_us=50.0, layer_fixed_us=20.0, cpu_bw_gbs=40.0)
@@ -413,8 +410,8 @@ def test_cli_simulate(patched_build: Build, sim_tool: Path, sim_model: Path, sim
 
 @pytest.mark.build
 def test_simulator_equals_engine_on_the_trained_model(patched_build: Build, sim_tool: Path, tmp_path: Path) -> None:
-    from harness.compare import default_model
-    from harness.project import project_root
+    from harness.core.project import project_root
+    from harness.orchestration.compare import default_model
 
     try:
         model = default_model()

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import project
-from harness.errors import HarnessError
-from harness.sizes import format_bytes, parse_size
+from harness.core import project
+from harness.core.errors import HarnessError
+from harness.core.sizes import format_bytes, parse_size
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""harness.stats against hand-computed values."""
+"""harness.stats.intervals against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from harness.errors import HarnessError
-from harness.stats import mean_ci, paired_delta_ppl, pearson_fisher, ratio_ci, spread_warnings
+from harness.core.errors import HarnessError
+from harness.stats.intervals import mean_ci, paired_delta_ppl, pearson_fisher, ratio_ci, spread_warnings
 
 T_975_DF2 = 4.302652729911275  # Student t, 97.5th percentile, 2 degrees of freedom (printed tables: 4.303)
 Z_975 = 1.959963984540054

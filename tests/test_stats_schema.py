@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from harness import project
+from harness.core import project
 from harness.parsers import ParseError
 from harness.parsers.cache_stats import ENGINE_COUNTERS, POLICY_COUNTERS, parse_cache_stats
 

@@ -1,4 +1,4 @@
-"""harness.study: the verdict rules on hand-built results, and the whole study with a fake runner."""
+"""harness.orchestration.study: the verdict rules on hand-built results, and the whole study with a fake runner."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 from test_compare import FakeEnv, FakeRunner, _info
 
-from harness.compare import CompareOptions, CompareResult, QualityRow, run_compare
-from harness.expert_trace import NllDump
+from harness.domain.options import CompareOptions, SweepOptions
+from harness.domain.results import CompareResult, MassHypothesis, QualityRow, SweepResult
+from harness.orchestration.compare import run_compare
+from harness.orchestration.study import policy_pairs, verdicts
 from harness.parsers.cache_stats import CacheStats
-from harness.stats import Correlation, DeltaPPL
-from harness.study import policy_pairs, verdicts
-from harness.sweep import MassHypothesis, SweepOptions, SweepResult
+from harness.parsers.nll_dump import NllDump
+from harness.stats.intervals import Correlation, DeltaPPL
 
 
 def _d(delta: float, low: float, high: float) -> DeltaPPL:

@@ -1,4 +1,5 @@
-"""harness.sweep: the grid, the Pareto frontier, the mass hypothesis (hand-checked), the run with a fake runner."""
+"""harness.orchestration.sweep: the grid, the Pareto frontier, the mass hypothesis (hand-checked), the run with a
+fake runner."""
 
 from __future__ import annotations
 
@@ -10,24 +11,19 @@ import numpy as np
 import pytest
 from test_compare import FakeEnv, FakeRunner, _info
 
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.domain.options import SweepGrid, SweepOptions
+from harness.domain.plan import SweepPoint
+from harness.domain.results import SweepRow
+from harness.orchestration.sweep import grid_points, mass_hypothesis, run_sweep
 from harness.parsers import PerplexityResult
 from harness.parsers.cache_stats import CacheStats
-from harness.project import Build
-from harness.report import render_sweep_markdown
-from harness.runners import PerplexityRequest, PerplexityRun, RunOutput
-from harness.stats import DeltaPPL
-from harness.sweep import (
-    SweepGrid,
-    SweepOptions,
-    SweepPoint,
-    SweepRow,
-    grid_points,
-    mass_hypothesis,
-    pareto_front,
-    run_sweep,
-)
+from harness.parsers.nll_dump import NllDump
+from harness.report.markdown import render_sweep_markdown
+from harness.stats.frontier import pareto_front
+from harness.stats.intervals import DeltaPPL
+from harness.tools.runners import PerplexityRequest, PerplexityRun, RunOutput
 
 
 def test_grid_points() -> None:
@@ -126,7 +122,7 @@ def test_run_sweep_with_a_fake_runner(tmp_path: Path) -> None:
 def test_reload_sweep(tmp_path: Path, synth_models: dict[str, Path]) -> None:
     from test_report import _write_dump
 
-    from harness.sweep import reload_sweep
+    from harness.orchestration.sweep import reload_sweep
 
     class FileSweepFake(SweepFake):
         def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
@@ -139,7 +135,7 @@ def test_reload_sweep(tmp_path: Path, synth_models: dict[str, Path]) -> None:
     text.write_text("text")
     opts = SweepOptions(out=tmp_path / "out", model=synth_models["qwen3moe"], text=text,
                         grid=SweepGrid(rules=("fetch-all", "threshold"), taus=(0.1, 0.2, 0.3), admits=("off",)))
-    from harness.gguf_model import read_model_info
+    from harness.parsers.gguf_model import read_model_info
 
     first = run_sweep(opts, FileSweepFake(), read_model_info(synth_models["qwen3moe"]), env=FakeEnv(tmp_path))
     assert len(first.rows) == 4
@@ -152,7 +148,7 @@ def test_reload_sweep(tmp_path: Path, synth_models: dict[str, Path]) -> None:
 @pytest.mark.build
 def test_sweep_with_the_real_builds(patched_build: Build, synth_models: dict[str, Path], synth_text_file: Path,
                                     tmp_path: Path) -> None:
-    from harness.sweep import sweep
+    from harness.orchestration.sweep import sweep
 
     opts = SweepOptions(out=tmp_path / "out", model=synth_models["qwen2moe"], text=synth_text_file,
                         grid=SweepGrid(rules=("fetch-all", "threshold", "first-choice"), taus=(0.1, 0.3),

@@ -1,4 +1,4 @@
-"""harness.synth: generated random-weight models are deterministic, read back as specified, and run."""
+"""harness.tools.synth: generated random-weight models are deterministic, read back as specified, and run."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from harness.cli import main
-from harness.errors import HarnessError, NotMoEError
-from harness.gguf_model import read_model_info
-from harness.project import Build
-from harness.synth import (
+from harness.core.errors import HarnessError, NotMoEError
+from harness.core.project import Build
+from harness.parsers.gguf_model import read_model_info
+from harness.tools.synth import (
     ARCHS,
     DTYPES,
     MIN_VOCAB,
@@ -43,7 +43,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
 def test_parallel_encoding_writes_the_same_bytes(tmp_path: Path, workers: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Large models encode several tensors at once (scripts/gpu_check.sh's model): the bytes do not depend on it."""
-    import harness.synth as synth
+    import harness.tools.synth as synth
 
     spec = SynthSpec(arch="qwen2moe", seed=3, dtype="q4_0")
     serial = write_synth_model(spec, tmp_path / "serial.gguf").read_bytes()

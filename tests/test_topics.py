@@ -1,5 +1,5 @@
-"""harness.topics: boundary placement and window deltas by hand, and the run with a fake runner and a small
-trained tokenizer."""
+"""harness.orchestration.topics: boundary placement and window deltas by hand, and the run with a fake runner and a
+small trained tokenizer."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 from test_compare import FakeEnv, FakeRunner, _info
 
-from harness.errors import HarnessError
-from harness.expert_trace import NllDump
-from harness.parsers import PerplexityResult
-from harness.project import Build
-from harness.runners import PerplexityRequest, PerplexityRun, RunOutput
-from harness.topics import (
-    TopicOptions,
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.domain.options import TopicOptions
+from harness.orchestration.topics import (
     align,
     boundary_tokens,
     run_topic_shift,
@@ -26,6 +23,9 @@ from harness.topics import (
     topic_rows,
     window_mask,
 )
+from harness.parsers import PerplexityResult
+from harness.parsers.nll_dump import NllDump
+from harness.tools.runners import PerplexityRequest, PerplexityRun, RunOutput
 
 
 def _dump(n_ctx: int, n_chunk: int, tokens: np.ndarray, nll: np.ndarray) -> NllDump:
@@ -115,8 +115,8 @@ def test_run_topic_shift_with_a_fake_runner(tmp_path: Path) -> None:
 
 
 def test_topics_markdown() -> None:
-    from harness.report import render_topics_markdown
-    from harness.topics import TopicResult
+    from harness.domain.results import TopicResult
+    from harness.report.markdown import render_topics_markdown
 
     d = _dump(8, 4, np.zeros(12), np.zeros(12))
     mask = window_mask(scored_positions(d), [13], 3)

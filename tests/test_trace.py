@@ -1,4 +1,4 @@
-"""harness.trace: the router trace writer round-trips through the reader, header checks, recorded-action
+"""harness.parsers.trace: the router trace writer round-trips through the reader, header checks, recorded-action
 counts, synthetic traces; and (build) a trace the engine wrote agrees with the engine's statistics."""
 
 from __future__ import annotations
@@ -11,18 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.errors import HarnessError
-from harness.expert_trace import ACTION_FETCH, ACTION_HIT, ACTION_SUBSTITUTE, ExpertTrace, trace_dtype
-from harness.project import Build
-from harness.synth import SynthSpec, synth_text, write_synth_model
-from harness.trace import (
+from harness.core.errors import HarnessError
+from harness.core.project import Build
+from harness.parsers.trace import (
+    ACTION_FETCH,
+    ACTION_HIT,
+    ACTION_SUBSTITUTE,
+    ExpertTrace,
     decode_order,
     read_expert_trace,
     read_trace_header,
     recorded_actions,
     synthetic_trace,
+    trace_dtype,
     write_expert_trace,
 )
+from harness.tools.synth import SynthSpec, synth_text, write_synth_model
 
 
 def small_trace() -> ExpertTrace:

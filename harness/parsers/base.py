@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
 TAIL_LINES = 15
 

@@ -1,0 +1,375 @@
+"""The `harness` command: an adapter that parses arguments, calls one library function, renders.
+
+No logic lives here. Every HarnessError becomes one line on stderr and its exit code; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from rich.console import Console
+
+from harness.cli import options
+from harness.core.errors import HarnessError
+
+console = Console()
+err_console = Console(stderr=True)
+
+Handler = Callable[[argparse.Namespace], int]
+ProgressFn = Callable[[int, int, str], None]  # (done, total, label), as the commands take it
+T = TypeVar("T")
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from harness.orchestration import doctor
+    from harness.report import terminal
+
+    diagnosis = doctor.diagnose()
+    console.print(terminal.render_doctor(diagnosis))
+    return 1 if diagnosis.problems else 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from harness.core import sizes
+    from harness.domain import plan
+    from harness.parsers import gguf_model
+    from harness.report import terminal
+
+    info = gguf_model.read_model_info(args.model)
+    slot_plan = None
+    if args.vram:
+        reserve = sizes.parse_size(args.reserve, allow_percent=False).bytes if args.reserve else 0
+        slot_plan = plan.plan_slots(info, sizes.parse_size(args.vram), reserve or 0)
+    console.print(terminal.render_info(info, slot_plan))
+    return 0
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from harness.tools import synth
+
+    spec = synth.SynthSpec(arch=args.arch, n_layer=args.layers, n_expert=args.experts,
+                           n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff,
+                           n_ff_shexp=args.ff_shexp, n_head=args.heads, n_head_kv=args.kv_heads,
+                           n_ctx=args.ctx, n_vocab=args.vocab, dtype=args.dtype, seed=args.seed)
+    path = synth.write_synth_model(spec, args.output)
+    console.print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MiB): {spec}")
+    return 0
+
+
+def _with_progress(name: str, run: Callable[[ProgressFn], T]) -> T:
+    """Run `run(progress)` under a transient progress bar on stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task(name, total=None)
+
+        def progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        return run(progress)
+
+
+# ---- compare, sweep, check, report, topics, study ----------------------------------------------------------------
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from harness.core import sizes
+    from harness.domain.options import CompareOptions
+    from harness.orchestration import compare
+    from harness.report import terminal
+
+    opts = CompareOptions(
+        out=args.out or options.out_dir(args, f"compare-{(args.model or compare.default_model()).stem}"),
+        model=args.model,
+        vram=sizes.parse_size(args.vram) if args.vram else None,
+        policies=options.words(args.policies), dataset=args.dataset, runs=args.runs,
+        n_prompt=args.n_prompt, n_gen=args.n_gen,
+        reserve_bytes=(sizes.parse_size(args.reserve, allow_percent=False).bytes or 0) if args.reserve else 0,
+        speed=not args.no_speed, quality=not args.no_quality, bench_cache_mode=args.speed_mode, seed=args.seed,
+        argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("compare", lambda progress: compare.compare(opts, progress))
+    console.print(terminal.render_compare(result))
+    if result.interrupted:
+        return 130
+    return 1 if result.budget.over else 0
+
+
+def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
+    c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
+                   "of the experts); default: the budget that keeps about 25%% of the experts resident")
+    options.add_model(c)
+    options.add_policies(c)
+    options.add_text(c, "text for perplexity (default: eval/data/heldout.txt)")
+    c.add_argument("--dataset", help="wikitext-2, gsm8k or humaneval instead of --text: fetched once with the "
+                   "'datasets' package and cached; offline, pass a local file with --text")
+    c.add_argument("--runs", type=int, default=5, help="speed repetitions per configuration (default: %(default)s)")
+    options.add_out(c, "results folder (default: results/compare-MODEL); an existing one is resumed")
+    options.add_ctx(c, 512)
+    options.add_chunks(c, 32)
+    c.add_argument("--n-prompt", type=int, default=512, help="llama-bench prompt tokens (default: %(default)s)")
+    c.add_argument("--n-gen", type=int, default=128, help="llama-bench generated tokens (default: %(default)s)")
+    options.add_threads(c)
+    c.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for KV cache and compute buffers")
+    c.add_argument("--speed-mode", default="engine", help="cache mode for speed runs (default: %(default)s)")
+    c.add_argument("--no-speed", action="store_true", help="skip the llama-bench runs")
+    c.add_argument("--no-quality", action="store_true", help="skip the perplexity runs")
+    options.add_seed(c)
+    c.set_defaults(func=_cmd_compare)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from harness.domain.options import SweepGrid, SweepOptions
+    from harness.orchestration import sweep
+    from harness.report import terminal
+
+    grid = SweepGrid(rules=options.words(args.rules), taus=options.floats(args.taus),
+                     admits=options.words(args.admits), evicts=options.words(args.evicts),
+                     fractions=tuple(f / 100 for f in options.floats(args.residency)))
+    opts = SweepOptions(out=options.out_dir(args, "sweep"), model=args.model, grid=grid, seed=args.seed,
+                        profile=args.profile, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("sweep", lambda progress: sweep.sweep(opts, progress))
+    console.print(terminal.render_sweep(result))
+    return 130 if result.interrupted else 0
+
+
+def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.catalogue import SWEEP_RULES, SWEEP_TAUS
+
+    w = sub.add_parser("sweep", help="a grid of cache policies in emulate mode: quality/speed frontier, mass "
+                       "hypothesis")
+    options.add_model(w)
+    options.add_text(w)
+    w.add_argument("--rules", default=",".join(SWEEP_RULES), help="miss rules (default: %(default)s)")
+    w.add_argument("--taus", default=",".join(f"{t:g}" for t in SWEEP_TAUS), help="thresholds of the threshold rule "
+                   "(default: %(default)s)")
+    w.add_argument("--admits", default="off,0.5", help="admission: off or beta values (default: %(default)s)")
+    w.add_argument("--evicts", default="lfu", help="eviction: lfu, lru (default: %(default)s)")
+    w.add_argument("--residency", default="25", help="resident percent of each layer's experts "
+                   "(default: %(default)s)")
+    options.add_ctx(w, 512)
+    options.add_chunks(w, 32)
+    options.add_threads(w)
+    w.add_argument("--profile", default="rtx3090", help="hardware profile for time estimates (default: %(default)s)")
+    options.add_out(w, "results folder (default: results/sweep); an existing one is resumed")
+    options.add_seed(w)
+    w.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from harness.orchestration import check
+
+    opts = check.CheckOptions(baseline=args.baseline, out=options.out_dir(args, "check"), update=args.update,
+                              tolerance_pct=args.tolerance, policies=options.words(args.policies),
+                              model=args.model, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = check.check(opts)
+    for line in result.lines:
+        console.print(f"{'ok  ' if line.ok else 'FAIL'} {line.policy}: {line.message}", highlight=False)
+    if result.updated:
+        console.print(f"baseline written to {result.baseline_path}")
+    return 0 if result.passed else 1
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from harness.orchestration import rerender
+
+    r = rerender.rerender(args.results, model=args.model, plots=args.plots)
+    console.print(r.terminal)
+    console.print(f"report: {r.report_path}")
+    for note in r.notes:
+        console.print(note, markup=False, highlight=False)
+    for path in r.plots:
+        console.print(f"plot: {path}", markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    k = sub.add_parser("check", help="perplexity regression gate against a recorded baseline (for CI)")
+    k.add_argument("--baseline", type=Path, required=True, help="baseline JSON (written by --update)")
+    k.add_argument("--update", action="store_true", help="run and (re)write the baseline")
+    k.add_argument("--tolerance", type=float, default=0.5, help="allowed worsening of delta PPL, in percentage "
+                   "points, beyond the 95%% CI (written into a new baseline; default: %(default)s)")
+    options.add_policies(k, "policies of a new baseline")
+    options.add_model(k, "model (default: the baseline's, else the trained model)")
+    options.add_text(k, "text (default: the baseline's, else eval/data/heldout.txt)")
+    options.add_ctx(k, 256, "context of a new baseline (default: %(default)s)")
+    options.add_chunks(k, 12, "chunks of a new baseline (default: %(default)s)")
+    options.add_threads(k)
+    options.add_out(k, "results folder (default: results/check)")
+    k.set_defaults(func=_cmd_check)
+
+    r = sub.add_parser("report", help="re-render the tables and report.md of a compare or sweep results folder")
+    r.add_argument("results", type=Path, help="the --out folder (or its results.jsonl)")
+    options.add_model(r, "the model, if it moved since the run")
+    r.add_argument("--plots", action="store_true", help="also draw a sweep's quality/speed frontier and mass "
+                   "hypothesis as PNG and SVG into DIR/plots (needs matplotlib: pip install -e '.[plot]')")
+    r.set_defaults(func=_cmd_report)
+
+
+def _cmd_topics(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness.domain.options import TopicOptions
+    from harness.orchestration import topics
+    from harness.report import markdown
+
+    opts = TopicOptions(out=options.out_dir(args, "topics"), model=args.model, tokenizer=args.tokenizer,
+                        policy=args.policy, fraction=args.residency / 100, window=args.window,
+                        argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = topics.topic_shift(opts)
+    console.print(Markdown(markdown.render_topics_markdown(result)))
+    return 0
+
+
+def _add_topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    t = sub.add_parser("topics", help="background admission after topic changes (eval/data/topic-shift.txt)")
+    options.add_model(t)
+    t.add_argument("--tokenizer", type=Path, help="the model's Hugging Face tokenizer.json (default: models/)")
+    options.add_text(t, "text with a .json of segments beside it (default: eval/data/topic-shift.txt)")
+    t.add_argument("--policy", default="quality", help="quality or speed (default: %(default)s)")
+    t.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
+    t.add_argument("--window", type=int, default=256, help="tokens after a change (default: %(default)s)")
+    options.add_ctx(t, 512)
+    options.add_chunks(t, 0)
+    options.add_threads(t)
+    options.add_out(t, "results folder (default: results/topics)")
+    t.set_defaults(func=_cmd_topics)
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness.domain.options import StudyOptions
+    from harness.orchestration import study
+    from harness.report import markdown
+
+    opts = StudyOptions(out=options.out_dir(args, "study"), model=args.model, residency=args.residency / 100,
+                        topics=not args.no_topics, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
+                        **options.perplexity_settings(args))
+    result = study.study(opts)
+    console.print(Markdown(markdown.render_study_markdown(result)))
+    return 0
+
+
+def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("study", help="re-test the study's findings on a model (compare + sweep + topics), "
+                       "with verdicts")
+    options.add_model(s)
+    options.add_text(s)
+    s.add_argument("--tokenizer", type=Path, help="the model's tokenizer.json, for the topic-change part")
+    s.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
+    options.add_ctx(s, 512)
+    options.add_chunks(s, 32)
+    options.add_threads(s)
+    s.add_argument("--no-topics", action="store_true", help="skip the topic-change part")
+    options.add_out(s, "results folder (default: results/study); an existing one is resumed")
+    options.add_seed(s)
+    s.set_defaults(func=_cmd_study)
+
+
+# ---- simulate, calibrate ----------------------------------------------------------------------------------------
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from harness.orchestration import simulate
+    from harness.report.simulate import render_simulate
+
+    opts = simulate.SimulateOptions(trace=args.trace, model=args.model, policies=options.words(args.policies),
+                                    residencies=options.words(args.residency), profile=args.profile)
+    rows = simulate.simulate(opts)
+    print(render_simulate(rows, markdown=args.markdown), end="")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from harness.orchestration import simulate
+    from harness.report.simulate import render_profile
+
+    fit = simulate.run_calibrate(args.runs, args.base, args.output, args.name)
+    print(render_profile(fit) + f"wrote {args.output}")
+    return 0
+
+
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.costmodel import list_profiles
+
+    s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
+                       "(cost model: estimates, not measurements)")
+    s.add_argument("--trace", type=Path, required=True, help="a router trace (LLAMA_MOE_CACHE=...,trace=FILE)")
+    options.add_model(s, "the .gguf the trace was recorded with", required=True)
+    options.add_policies(s, note="; fetch-all, the baseline, is always included")
+    s.add_argument("--residency", default="10%,25%,50%", help="comma-separated slots per layer: percentages of "
+                   "each layer's experts or counts (default: %(default)s)")
+    s.add_argument("--profile", default="rtx3090",
+                   help=f"hardware profile: {', '.join(list_profiles())}, or a profile .json (default: %(default)s)")
+    s.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    s.set_defaults(func=_cmd_simulate)
+
+    c = sub.add_parser("calibrate", help="fit a hardware profile's constants to measured engine runs")
+    c.add_argument("runs", type=Path, help='JSON lines: {"work": {TokenWork fields}, "ms": ms per token}')
+    c.add_argument("--base", default="rtx3090", help="the profile to start from, a name or a .json (default: "
+                   "%(default)s); constants the runs do not identify keep its values")
+    c.add_argument("-o", "--output", type=Path, required=True, help="where to write the fitted profile (.json)")
+    c.add_argument("--name", help="the fitted profile's name (default: <base>-calibrated)")
+    c.set_defaults(func=_cmd_calibrate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="harness", description=(
+        "moe-subst: run MoE models bigger than VRAM with an expert cache in a patched llama.cpp, "
+        "and measure it against stock llama.cpp."))
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("doctor", help="check builds, backend, GPU, versions, pin and patch series")
+    d.set_defaults(func=_cmd_doctor)
+
+    i = sub.add_parser("info", help="what a GGUF MoE model holds, and how many expert slots fit a budget")
+    i.add_argument("model", type=Path, help="a .gguf file")
+    i.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 24GiB, 512M, or 25%% "
+                   "(= non-expert weights + 25%% of the expert weights)")
+    i.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for the KV cache and compute "
+                   "buffers (default 0)")
+    i.set_defaults(func=_cmd_info)
+
+    s = sub.add_parser("synth", help="write a small random-weight MoE GGUF (deterministic by seed)")
+    s.add_argument("-o", "--output", type=Path, required=True, help="where to write the .gguf")
+    s.add_argument("--arch", default="qwen3moe", help="qwen3moe (softmax, normalised top-k), qwen2moe (shared "
+                   "expert), hy_v3 (merged gate_up experts, sigmoid router)")
+    s.add_argument("--layers", type=int, default=2)
+    s.add_argument("--experts", type=int, default=16)
+    s.add_argument("--top-k", type=int, default=4)
+    s.add_argument("--embd", type=int, default=64)
+    s.add_argument("--ff", type=int, default=32, help="expert FFN size")
+    s.add_argument("--ff-shexp", type=int, default=64, help="shared-expert FFN size (qwen2moe, hy_v3)")
+    s.add_argument("--heads", type=int, default=4)
+    s.add_argument("--kv-heads", type=int, default=2)
+    s.add_argument("--ctx", type=int, default=512, help="training context length")
+    s.add_argument("--vocab", type=int, default=512, help="vocabulary size (>= 259)")
+    s.add_argument("--dtype", default="f32", help="f32, f16, q8_0, q4_0 (the gguf package cannot write q4_k: "
+                   "write f16 and quantize with llama-quantize)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_synth)
+
+    _add_compare(sub)
+    _add_sweep(sub)
+    _add_check_and_report(sub)
+    _add_topics(sub)
+    _add_study(sub)
+    _add_simulate(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Handler = args.func
+    try:
+        return func(args)
+    except HarnessError as e:
+        err_console.print(f"harness: error: {e}", highlight=False, soft_wrap=True, markup=False)
+        return e.exit_code
+    except KeyboardInterrupt:
+        err_console.print("harness: interrupted; finished results were kept")
+        return 130

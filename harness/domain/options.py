@@ -1,0 +1,85 @@
+"""The options of the commands that measure: what a run of compare, sweep, topics or study was asked to do.
+
+Each extends `PerplexitySettings` (text, n_ctx, n_batch, chunks, threads), declared once there. How options
+are written into and read back from a results folder's meta record is `harness.orchestration.serialise`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.core.sizes import Size
+from harness.domain.catalogue import DEFAULT_POLICIES, SWEEP_RULES, SWEEP_TAUS
+from harness.domain.settings import PerplexitySettings
+
+
+@dataclass(frozen=True)
+class CompareOptions(PerplexitySettings):
+    """`text` None: the held-out text (compare) or no quality runs (run_compare)."""
+
+    out: Path
+    model: Path | None = None  # None: the project's trained model (default_model)
+    vram: Size | None = None  # None: the budget that keeps DEFAULT_RESIDENCY of the experts resident
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    dataset: str | None = None  # a named dataset instead of --text (only from a local file)
+    runs: int = 5
+    n_prompt: int = 512
+    n_gen: int = 128
+    reserve_bytes: int = 0  # device memory kept for KV cache and compute buffers
+    speed: bool = True
+    quality: bool = True
+    bench_cache_mode: str = "engine"
+    n_boot: int = 2000
+    seed: int = 0
+    profile: str | None = "rtx3090"  # hardware profile for speed estimates when there is no GPU (None: none)
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    rules: tuple[str, ...] = SWEEP_RULES
+    taus: tuple[float, ...] = SWEEP_TAUS  # only for the threshold rule
+    admits: tuple[str, ...] = ("off", "0.5")  # "off" or a beta
+    evicts: tuple[str, ...] = ("lfu",)
+    fractions: tuple[float, ...] = (0.25,)  # resident share of each layer's experts
+
+
+@dataclass(frozen=True)
+class SweepOptions(PerplexitySettings):
+    """`text` None: the held-out text."""
+
+    out: Path
+    model: Path | None = None  # None: the project's trained model
+    grid: SweepGrid = SweepGrid()
+    n_boot: int = 2000
+    seed: int = 0
+    profile: str = "rtx3090"  # hardware profile for the time-per-token estimates
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TopicOptions(PerplexitySettings):
+    """`text` None: eval/data/topic-shift.txt (segments: the .json next to it)."""
+
+    out: Path
+    model: Path | None = None
+    tokenizer: Path | None = None  # default: the one *tokenizer.json in models/
+    policy: str = "quality"
+    fraction: float = 0.25
+    window: int = 256
+    n_boot: int = 2000
+    seed: int = 0
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StudyOptions(PerplexitySettings):
+    out: Path
+    model: Path | None = None
+    chunks: int | None = field(default=32, kw_only=True)
+    residency: float = 0.25
+    topics: bool = True
+    tokenizer: Path | None = None
+    seed: int = 0
+    argv: tuple[str, ...] = ()

@@ -1,0 +1,226 @@
+"""What the commands produce and the report layer renders: frozen results of compare, sweep, topics, study,
+simulate and doctor. Computed in harness.orchestration; every +/- says what it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.domain.options import CompareOptions, StudyOptions, SweepOptions, TopicOptions
+from harness.domain.plan import ComparePlan, SweepPoint
+from harness.parsers.cache_stats import CacheStats
+from harness.stats.intervals import Correlation, DeltaPPL, MeanCI, RatioCI
+
+# ---- compare ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    key: str
+    config: str
+    peak_mib: float | None
+    source: str  # "memory breakdown", "nvidia-smi", or "" when not measured
+    over: bool
+
+
+@dataclass(frozen=True)
+class BudgetVerdict:
+    budget_mib: float
+    has_gpu: bool
+    checks: tuple[BudgetCheck, ...]
+    message: str
+
+    @property
+    def over(self) -> tuple[BudgetCheck, ...]:
+        return tuple(c for c in self.checks if c.over)
+
+    @property
+    def ok(self) -> bool:
+        return self.has_gpu and not self.over and all(c.peak_mib is not None for c in self.checks)
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    config: str
+    test: str  # pp512, tg128
+    tokens_per_s: MeanCI  # over repetitions; +/- is a 95% CI
+    vs_stock: RatioCI | None
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class QualityRow:
+    config: str
+    ppl: float
+    ppl_se: float  # one SE, as llama-perplexity prints it
+    delta: DeltaPPL | None  # against the full model, paired
+    cache: CacheStats | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class EstimateRow:
+    """Estimated decode speed from the cost model (harness.domain.costmodel): an estimate, not a measurement."""
+
+    config: str
+    ms_per_token: float
+    vs_stock: float | None  # estimated speed-up over stock
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    plan: ComparePlan
+    options: CompareOptions
+    gpu: str
+    backend: str
+    notes: tuple[str, ...]
+    speed: tuple[SpeedRow, ...]
+    quality: tuple[QualityRow, ...]
+    budget: BudgetVerdict
+    results_path: Path
+    n_run: int
+    n_resumed: int
+    interrupted: bool
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    estimates: tuple[EstimateRow, ...] = ()
+    estimate_profile: str = ""
+
+
+# ---- sweep ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    point: SweepPoint
+    ppl: float
+    delta: DeltaPPL | None
+    substitution_rate: float | None
+    substituted_mass: float | None
+    fetches_per_token: float | None
+    est_ms_per_token: float | None  # cost model estimate, not a measurement
+
+
+@dataclass(frozen=True)
+class MassHypothesis:
+    correlation: Correlation | None
+    n_points: int
+    note: str
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    options: SweepOptions
+    full_ppl: float | None
+    rows: tuple[SweepRow, ...]
+    frontier: tuple[str, ...]  # point names on the quality/speed Pareto frontier
+    mass: MassHypothesis
+    results_path: Path
+    n_run: int
+    n_resumed: int
+    interrupted: bool
+    warnings: tuple[str, ...]
+
+
+# ---- topics -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopicRow:
+    label: str  # "<policy> vs full", "<policy> admit=off vs full", "admission effect"
+    overall: DeltaPPL
+    after_change: DeltaPPL | None
+    elsewhere: DeltaPPL | None
+
+
+@dataclass(frozen=True)
+class TopicResult:
+    options: TopicOptions
+    n_boundaries: int
+    n_scored: int
+    n_after_change: int
+    rows: tuple[TopicRow, ...]
+    results_path: Path
+    warnings: tuple[str, ...]
+
+
+# ---- study ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    finding: str
+    held: bool | None  # None: not testable here
+    evidence: str
+
+
+@dataclass(frozen=True)
+class StudyResult:
+    options: StudyOptions
+    compare: CompareResult
+    pairs: dict[str, DeltaPPL]  # "a vs b" -> paired delta of a against b
+    sweep: SweepResult
+    topics: TopicResult | None
+    topics_note: str
+    verdicts: tuple[Verdict, ...]
+
+
+# ---- simulate ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimRow:
+    """One policy at one residency. `est_*` are cost-model ESTIMATES (profile `profile`), not measurements."""
+
+    policy: str
+    residency: str  # as requested ("25%", or a slot count)
+    slots: int  # per MoE layer, as the cache resolved it
+    n_expert: int
+    tokens: int  # token-layers / MoE layers
+    hit_rate: float
+    fetches_per_token: float  # summed over MoE layers of each layer's fetches per token it decided (per_token)
+    substitution_rate: float
+    substituted_mass: float  # mean substituted gate mass per token-layer
+    admissions_per_token: float
+    profile: str
+    est_ms_per_token: float
+    est_fetch_all_ms: float  # fetch-every-miss at the same residency
+    est_stock_ms: float  # stock llama.cpp with the same device memory
+    stock_gpu_moe_layers: int
+    replay_decisions_per_s: float | None = None
+
+    @property
+    def est_speedup_vs_fetch_all(self) -> float:
+        return self.est_fetch_all_ms / self.est_ms_per_token
+
+    @property
+    def est_speedup_vs_stock(self) -> float:
+        return self.est_stock_ms / self.est_ms_per_token
+
+
+# ---- doctor -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildStatus:
+    name: str
+    present: bool
+    backend: str
+    bin_dir: str
+    version: str
+    identifies_as_patched: bool
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    pin: str
+    pin_sha256: str
+    patch_series: str
+    n_patches: int
+    source_unpacked: bool
+    builds: tuple[BuildStatus, ...]
+    gpus: tuple[str, ...]
+    nvcc: str
+    python: str
+    host_ram_bytes: int
+    cpu_count: int
+    problems: tuple[str, ...]

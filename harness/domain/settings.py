@@ -1,0 +1,28 @@
+"""How llama-perplexity runs: one settings type shared by every command that measures perplexity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.tools.runners import CacheSpec, PerplexityRequest, Placement
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerplexitySettings:
+    """The text and llama-perplexity's context, batch, chunks and threads. The options of compare, sweep,
+    topics, study and check extend it (so its fields are theirs, by keyword); `text` None means the command's
+    default text, `threads` None llama.cpp's default (compare's speed runs use the same threads)."""
+
+    text: Path | None = None
+    n_ctx: int = 512
+    n_batch: int | None = None  # None: n_ctx (one sequence per batch: token order = decode order)
+    chunks: int | None = None  # None: all
+    threads: int | None = None
+
+    def perplexity_request(self, model: Path, text: Path, placement: Placement, *, cache: CacheSpec | None,
+                           nll_dump: Path | None, label: str) -> PerplexityRequest:
+        """One llama-perplexity run of `model` on `text` with these settings."""
+        return PerplexityRequest(model=model, text=text, placement=placement, n_ctx=self.n_ctx,
+                                 n_batch=self.n_batch or self.n_ctx, chunks=self.chunks, threads=self.threads,
+                                 cache=cache, nll_dump=nll_dump, label=label)

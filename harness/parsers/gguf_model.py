@@ -1,0 +1,154 @@
+"""What a GGUF model is, for the cache: read from its metadata and tensor table (no weights are loaded).
+
+A pure reader: `read_model_info(path)` returns a frozen `ModelInfo` or raises a `HarnessError` with a
+one-line message (not a GGUF file, truncated, not an MoE model).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.core.errors import HarnessError, NotMoEError
+
+# Routed-expert tensors: blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias,scale}; shared experts
+# (ffn_*_shexp) are dense and stay on the device, as llama.cpp's --cpu-moe regex does.
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
+_SHEXP_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
+_GATE_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    name: str
+    kind: str  # gate, up, down, gate_up
+    role: str  # weight, bias, scale
+    dtype: str
+    shape: tuple[int, ...]  # GGUF order: ne0, ne1, ne2 (ne2 = n_expert)
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    arch: str
+    name: str
+    n_layers: int
+    moe_layers: tuple[int, ...]
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    gating: str
+    weights_norm: bool | None
+    merged_gate_up: bool
+    expert_tensors: tuple[ExpertTensor, ...]
+    expert_bytes: int
+    non_expert_bytes: int
+    file_bytes: int
+    file_type: str
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes of one expert in one layer, all its tensors together (weights, biases, scales)."""
+        return self.expert_bytes // (self.n_moe_layers * self.n_expert)
+
+    @property
+    def bytes_per_expert_tensor(self) -> dict[str, int]:
+        """Bytes of one expert's slice of each expert tensor kind (layer 0 of the MoE layers)."""
+        first = f"blk.{self.moe_layers[0]}."
+        return {f"{t.kind}.{t.role}": t.n_bytes // self.n_expert
+                for t in self.expert_tensors if t.name.startswith(first)}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes + self.non_expert_bytes
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.contents()
+    return value
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    p = Path(path)
+    if not p.is_file():
+        raise HarnessError(f"{p}: no such file")
+    with p.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise HarnessError(f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(str(p))
+        tensors = list(reader.tensors)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on damage
+        raise HarnessError(f"{p}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
+    file_bytes = p.stat().st_size
+    for t in tensors:
+        if t.data_offset + t.n_bytes > file_bytes:
+            raise HarnessError(f"{p}: truncated GGUF file (tensor {t.name} ends past the end of the file)")
+
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise HarnessError(f"{p}: the GGUF file has no general.architecture")
+    n_layers = int(_field(reader, f"{arch}.block_count") or 0)
+    n_expert = int(_field(reader, f"{arch}.expert_count") or 0)
+    n_used = int(_field(reader, f"{arch}.expert_used_count") or 0)
+    n_shared = _field(reader, f"{arch}.expert_shared_count")
+    gating_id = _field(reader, f"{arch}.expert_gating_func")
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+
+    experts: list[ExpertTensor] = []
+    moe_layers: set[int] = set()
+    shexp_layers: set[int] = set()
+    non_expert = 0
+    for t in tensors:
+        m = _EXPS_RE.match(t.name)
+        if m:
+            moe_layers.add(int(m.group(1)))
+            experts.append(ExpertTensor(t.name, m.group(2), m.group(3), t.tensor_type.name,
+                                        tuple(int(x) for x in t.shape), int(t.n_bytes)))
+            continue
+        if (s := _SHEXP_RE.match(t.name)) is not None:
+            shexp_layers.add(int(s.group(1)))
+        non_expert += int(t.n_bytes)
+    if not experts or n_expert <= 1:
+        raise NotMoEError(f"{p}: not a Mixture-of-Experts model ({arch} has no routed expert tensors): "
+                          "there is nothing to cache; run it with stock llama.cpp")
+    if n_used <= 0:
+        raise HarnessError(f"{p}: {arch}.expert_used_count is missing")
+    for et in experts:
+        if et.role == "weight" and (len(et.shape) != 3 or et.shape[2] != n_expert):
+            raise HarnessError(f"{p}: expert tensor {et.name} has shape {et.shape}, expected n_expert={n_expert} "
+                               "in its last dimension")
+    if n_shared is None:
+        n_shared = 1 if shexp_layers else 0
+    weights = {t.tensor_type.name for t in tensors if t.name.endswith("_exps.weight")}
+    return ModelInfo(
+        path=str(p),
+        arch=arch,
+        name=str(_field(reader, "general.name") or p.stem),
+        n_layers=n_layers,
+        moe_layers=tuple(sorted(moe_layers)),
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_expert_shared=int(n_shared),
+        gating=_GATE_FUNCS.get(int(gating_id), f"unknown({gating_id})") if gating_id is not None else "softmax",
+        weights_norm=bool(norm) if norm is not None else None,
+        merged_gate_up=any(t.kind == "gate_up" for t in experts),
+        expert_tensors=tuple(experts),
+        expert_bytes=sum(t.n_bytes for t in experts),
+        non_expert_bytes=non_expert,
+        file_bytes=file_bytes,
+        file_type=",".join(sorted(weights)),
+    )

@@ -1,0 +1,209 @@
+"""Router traces of the expert cache (`trace=PATH` in the cache spec; format: docs/expert-cache.md).
+
+`read_expert_trace` reads a trace (header + numpy structured records); around it, what the simulator and its
+tests need: the header alone, a writer (the exact byte layout the engine writes, so traces round-trip),
+decode order, counts of the recorded actions, and synthetic traces with a skewed, drifting expert popularity
+for benchmarks of `llama-moe-sim`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.core.errors import HarnessError
+
+__all__ = [
+    "ExpertTrace", "TraceHeader", "RecordedActions", "read_expert_trace", "read_trace_header",
+    "write_expert_trace", "decode_order", "recorded_actions", "synthetic_trace",
+]
+
+TRACE_MAGIC = b"MOETRACE"
+TRACE_VERSION = 1
+TRACE_HEADER_SIZE = 64
+
+ACTION_HIT = 0
+ACTION_FETCH = 1
+ACTION_SUBSTITUTE = 2
+ACTION_DROP = 3
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertTrace:
+    version: int
+    n_layer: int
+    n_expert: int
+    k: int
+    top_m: int
+    n_slots: int
+    records: npt.NDArray[np.void]  # fields: layer, token, ids[k], weights[k], used[k], action[k], top_ids, top_score
+
+
+def trace_dtype(k: int, top_m: int) -> np.dtype[np.void]:
+    pad = (k + 3) // 4 * 4
+    fields: list[tuple[str, str] | tuple[str, str, tuple[int, ...]]] = [
+        ("layer", "<u4"), ("token", "<u4"),
+        ("ids", "<i4", (k,)), ("weights", "<f4", (k,)), ("used", "<i4", (k,)), ("action", "u1", (pad,)),
+    ]
+    if top_m:
+        fields += [("top_ids", "<i4", (top_m,)), ("top_score", "<f4", (top_m,))]
+    return np.dtype(fields)  # packed, little-endian
+
+
+def read_expert_trace(path: str | Path) -> ExpertTrace:
+    data = Path(path).read_bytes()
+    if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
+        raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
+    version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", data, 8)
+    if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
+        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
+                           f"{TRACE_VERSION}")
+    dt = trace_dtype(k, top_m)
+    if dt.itemsize != rsize:
+        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m} ({dt.itemsize})")
+    body = len(data) - hsize
+    if body % rsize:
+        raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
+    records = np.frombuffer(data, dtype=dt, offset=hsize)
+    return ExpertTrace(version, n_layer, n_expert, k, top_m, n_slots, records)
+
+
+@dataclass(frozen=True)
+class TraceHeader:
+    version: int
+    n_layer: int  # all layers of the model (record layer ids index these)
+    n_expert: int
+    k: int  # experts per token
+    top_m: int  # router scores per record
+    record_size: int
+    n_slots: int  # slots per layer of the recorded run
+    n_records: int  # token-layers
+
+    @property
+    def file_size(self) -> int:
+        return TRACE_HEADER_SIZE + self.n_records * self.record_size
+
+
+def read_trace_header(path: str | Path) -> TraceHeader:
+    """The header and the record count, without reading the records (cheap on large traces)."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            head = f.read(TRACE_HEADER_SIZE)
+        size = p.stat().st_size
+    except OSError as e:
+        raise HarnessError(f"cannot read the trace {path}: {e.strerror or e}") from None
+    if len(head) < 8 or head[:8] != TRACE_MAGIC:
+        raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
+    if len(head) < TRACE_HEADER_SIZE:
+        raise HarnessError(f"{path}: truncated trace header ({len(head)} bytes)")
+    version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", head, 8)
+    if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
+        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
+                           f"{TRACE_VERSION}")
+    if k == 0 or rsize != trace_dtype(k, top_m).itemsize:
+        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m}")
+    body = size - TRACE_HEADER_SIZE
+    if body % rsize:
+        raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
+    return TraceHeader(version, n_layer, n_expert, k, top_m, rsize, n_slots, body // rsize)
+
+
+def header_of(trace: ExpertTrace) -> TraceHeader:
+    return TraceHeader(trace.version, trace.n_layer, trace.n_expert, trace.k, trace.top_m,
+                       trace.records.dtype.itemsize, trace.n_slots, len(trace.records))
+
+
+def write_expert_trace(path: str | Path, trace: ExpertTrace) -> Path:
+    """Write `trace` in the engine's byte layout (version 1): `read_expert_trace` gives it back unchanged."""
+    dt = trace_dtype(trace.k, trace.top_m)
+    if trace.records.dtype != dt:
+        raise HarnessError(f"trace records have dtype {trace.records.dtype}, not the version-1 layout for "
+                           f"k={trace.k}, top_m={trace.top_m}")
+    header = TRACE_MAGIC + struct.pack("<14I", TRACE_VERSION, TRACE_HEADER_SIZE, trace.n_layer, trace.n_expert,
+                                       trace.k, trace.top_m, dt.itemsize, trace.n_slots, 0, 0, 0, 0, 0, 0)
+    assert len(header) == TRACE_HEADER_SIZE
+    out = Path(path)
+    with out.open("wb") as f:
+        f.write(header)
+        f.write(np.ascontiguousarray(trace.records).tobytes())
+    return out
+
+
+def decode_order(trace: ExpertTrace) -> npt.NDArray[np.void]:
+    """The records sorted by (token, layer): the order a decoder meets them (the file is in decision order,
+    layer by layer within a ubatch)."""
+    order = np.lexsort((trace.records["layer"], trace.records["token"]))
+    return trace.records[order]
+
+
+@dataclass(frozen=True)
+class RecordedActions:
+    """What the recorded run decided, counted from the trace's action bytes."""
+
+    token_layers: int
+    calls: int
+    hits: int
+    fetches: int
+    substitutions: int
+    drops: int
+    subst_mass_sum: float  # sum of the gate weights of substituted experts
+
+
+def recorded_actions(trace: ExpertTrace) -> RecordedActions:
+    k = trace.k
+    act = trace.records["action"][:, :k]
+    w = trace.records["weights"].astype(np.float64)
+    sub = act == ACTION_SUBSTITUTE
+    return RecordedActions(
+        token_layers=len(trace.records), calls=int(act.size),
+        hits=int((act == ACTION_HIT).sum()), fetches=int((act == ACTION_FETCH).sum()),
+        substitutions=int(sub.sum()), drops=int((act == ACTION_DROP).sum()),
+        subst_mass_sum=float((w * sub).sum()))
+
+
+def synthetic_trace(*, n_layer: int, n_expert: int, k: int, n_tokens: int, top_m: int = 16, n_slots: int = 0,
+                    zipf: float = 1.0, topic_every: int = 256, seed: int = 0) -> ExpertTrace:
+    """A router trace with the statistics of a real one, for benchmarks and tests of the simulator: per
+    layer, expert popularity follows a Zipf law over a random permutation that changes every `topic_every`
+    tokens (a topic change); router logits are log-popularity plus Gumbel noise, so the top k are a draw
+    without replacement by popularity; gate weights are the softmax over the selected, normalised; scores
+    the softmax probabilities of the top_m. Records are in decode order (token by token, layer by layer).
+    Actions are not decided (all hits, used = selected): replaying is what the simulator is for."""
+    if not (1 <= k <= n_expert and 0 <= top_m <= n_expert and n_layer >= 1 and n_tokens >= 0):
+        raise HarnessError(f"bad synthetic trace shape: n_layer={n_layer}, n_expert={n_expert}, k={k}, "
+                           f"top_m={top_m}, n_tokens={n_tokens}")
+    rng = np.random.default_rng(seed)
+    dt = trace_dtype(k, top_m)
+    rec = np.zeros(n_tokens * n_layer, dtype=dt)
+    base = -zipf * np.log(np.arange(1, n_expert + 1, dtype=np.float64))
+    n_topics = max(1, -(-n_tokens // max(1, topic_every)))
+    for il in range(n_layer):
+        perms = np.stack([rng.permutation(n_expert) for _ in range(n_topics)])
+        topic = np.arange(n_tokens) // max(1, topic_every)
+        logp = np.empty((n_tokens, n_expert))
+        logp[np.arange(n_tokens)[:, None], perms[topic]] = base  # expert perm[i] gets the i-th popularity
+        logits = (logp + rng.gumbel(size=(n_tokens, n_expert))).astype(np.float32)
+        order = np.argsort(-logits, axis=1, kind="stable")
+        sel = order[:, :k].astype(np.int32)
+        sel_l = np.take_along_axis(logits, sel, axis=1).astype(np.float64)
+        w = np.exp(sel_l - sel_l.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        full = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+        probs = (full / full.sum(axis=1, keepdims=True)).astype(np.float32)
+        idx = np.arange(n_tokens) * n_layer + il
+        rec["layer"][idx] = il
+        rec["token"][idx] = np.arange(n_tokens, dtype=np.uint32)
+        rec["ids"][idx] = sel
+        rec["weights"][idx] = w.astype(np.float32)
+        rec["used"][idx] = sel
+        if top_m:
+            # by score descending, ties lowest id (as the engine writes them)
+            top = np.lexsort((np.broadcast_to(np.arange(n_expert), probs.shape), -probs), axis=1)[:, :top_m]
+            rec["top_ids"][idx] = top.astype(np.int32)
+            rec["top_score"][idx] = np.take_along_axis(probs, top, axis=1)
+    return ExpertTrace(TRACE_VERSION, n_layer, n_expert, k, top_m, n_slots, rec)

@@ -1,0 +1,142 @@
+"""Markdown renderers for the report.md of compare, sweep, topics and study: pure functions of a result
+returning text. Every +/- says what it is."""
+
+from __future__ import annotations
+
+from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult
+from harness.report.tables import (
+    SWEEP_HEADER,
+    config_label,
+    delta_cell,
+    estimate_cells,
+    mass_line,
+    md_table,
+    plan_lines,
+    quality_cells,
+    shown,
+    speed_cells,
+    speed_unit,
+    sweep_cells,
+    topic_cells,
+)
+
+# ---- compare ------------------------------------------------------------------------------------------------
+
+
+def render_compare_markdown(result: CompareResult) -> str:
+    o = result.options
+    lines = ["# harness compare", ""]
+    lines += [f"- {ln}" for ln in plan_lines(result.plan) + list(result.notes)]
+    lines += [f"- GPU: {result.gpu}; backend: {result.backend}", ""]
+    if result.quality:
+        lines += ["## Quality", "",
+                  f"Text `{o.text}`, context {o.n_ctx}. PPL ± one standard error (as llama-perplexity prints it). "
+                  "Delta PPL is paired against the full model (patched build, cache off) on the same tokens, "
+                  "with a 95% CI from a block bootstrap over chunks "
+                  f"({o.n_boot} replicates, seed {o.seed}). Policies run in emulate mode.", ""]
+        lines.append(md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass",
+                               "fetches/token"], [list(quality_cells(q)) for q in result.quality]))
+        lines.append("")
+    if result.speed:
+        lines += ["## Speed", "",
+                  f"llama-bench, {speed_unit(result)}: mean ± 95% CI (Student t) over {o.runs} interleaved "
+                  "repetitions; ratio to stock with a bootstrap 95% CI.", ""]
+        lines.append(md_table(["configuration", "test", "mean", "± 95% CI", "n", "vs stock"],
+                              [[config_label(r.config), r.test, *speed_cells(r)] for r in result.speed]))
+        lines.append("")
+    if result.estimates:
+        lines += ["## Estimated decode speed (not measured)", "",
+                  f"Cost model (harness.costmodel) with the `{result.estimate_profile}` hardware profile, fed with "
+                  "the fetches and admissions per token counted in the emulate runs and stock's planned "
+                  "--n-cpu-moe. These are estimates, labelled as such; no GPU was measured.", ""]
+        lines.append(md_table(["configuration", "est. ms/token", "est. tokens/s", "est. vs stock"],
+                              [list(estimate_cells(e)) for e in result.estimates]))
+        lines.append("")
+    lines += ["## Budget", "", result.budget.message, ""]
+    warnings = [w for r in result.speed for w in r.warnings] + list(result.warnings)
+    if warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    lines += ["## Provenance", "", f"Raw records (JSON Lines, schema with provenance and samples): "
+              f"`{result.results_path}`; command: `{' '.join(o.argv) or 'harness compare'}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- sweep ------------------------------------------------------------------------------------------------
+
+
+def render_sweep_markdown(result: SweepResult) -> str:
+    o = result.options
+    lines = ["# harness sweep", "",
+             f"Model `{shown(o.model)}`, text `{shown(o.text)}`, context {o.n_ctx}. Every policy runs in emulate "
+             "mode on the same tokens; delta PPL is paired against the full model (cache off), with a 95% CI from a "
+             "block bootstrap "
+             f"over chunks ({o.n_boot} replicates, seed {o.seed}). `est. ms/token` is the cost model's estimate on "
+             f"the `{o.profile}` profile from the counted fetches and admissions: an estimate, not a measurement. "
+             "`*` marks the quality/speed Pareto frontier (lower delta, lower estimated time).", "",
+             md_table(SWEEP_HEADER, [sweep_cells(r, result.frontier) for r in result.rows]), "",
+             "## Mass hypothesis", "", mass_line(result), ""]
+    if result.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
+    lines += [f"Raw records: `{result.results_path}`; command: `{' '.join(o.argv) or 'harness sweep'}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- topic changes ----------------------------------------------------------------------------------------------
+
+
+def render_topics_markdown(result: TopicResult) -> str:
+    o = result.options
+    lines = ["# Admission after topic changes", "",
+             f"Text `{shown(o.text)}` with {result.n_boundaries} topic changes; policy `{o.policy}` in emulate mode, "
+             "with "
+             f"its background admission and with `admit=off`, on the same {result.n_scored} scored tokens. "
+             f"\"After a change\" = the first {o.window} tokens of each new segment ({result.n_after_change} scored "
+             "tokens). Deltas are paired, with 95% CIs from a block bootstrap over chunks.", "",
+             md_table(["comparison", "overall", "after a change", "elsewhere"],
+                      [topic_cells(r) for r in result.rows]), ""]
+    if result.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
+    lines += [f"Raw records: `{result.results_path}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- study ------------------------------------------------------------------------------------------------------
+
+
+def render_study_markdown(result: StudyResult) -> str:
+    o = result.options
+    c = result.compare
+    lines = ["# The study's findings, re-tested", "",
+             f"Model `{shown(c.options.model)}`, {o.residency:.0%} of each layer's experts resident "
+             f"({c.plan.slots.slots_per_layer} of {c.plan.info.n_expert} slots per layer), "
+             f"text `{shown(c.options.text)}`, "
+             f"context {o.n_ctx}. Everything runs in the patched build's emulate mode on the same tokens; every "
+             "delta is paired, with a 95% CI from a block bootstrap over chunks. Regenerate with "
+             f"`{' '.join(o.argv) or 'harness study'}`.", "", "## Verdicts", ""]
+    word = {True: "held", False: "did not hold", None: "not tested"}
+    for v in result.verdicts:
+        lines += [f"- **{v.finding}: {word[v.held]}.** {v.evidence}."]
+    lines += ["", "## Policies against the full model", "",
+              md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass", "fetches/token"],
+                       [list(quality_cells(q)) for q in c.quality]), ""]
+    if result.pairs:
+        lines += ["## Paired comparisons between policies", "",
+                  md_table(["comparison", "delta PPL [95% CI]"],
+                           [[k, delta_cell(v)] for k, v in result.pairs.items()]), ""]
+    lines += ["## Mass hypothesis (sweep)", "", mass_line(result.sweep), "",
+              md_table(SWEEP_HEADER, [sweep_cells(r, result.sweep.frontier) for r in result.sweep.rows]), ""]
+    lines += ["## Admission after topic changes", ""]
+    if result.topics is not None:
+        t = result.topics
+        lines += [md_table(["comparison", "overall", "after a change", "elsewhere"],
+                           [topic_cells(r) for r in t.rows]), "",
+                  f"{t.n_boundaries} topic changes, {t.n_after_change} of {t.n_scored} scored tokens within "
+                  f"{t.options.window} tokens after one.", ""]
+    else:
+        lines += [result.topics_note, ""]
+    notes = list(c.notes) + list(c.warnings) + list(result.sweep.warnings)
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    lines += ["Speed findings (3, 6 and the time halves of 5) need the engine and a GPU and are not tested here; "
+              "the sweep's `est. ms/token` is a cost-model estimate, not a measurement.", ""]
+    return "\n".join(lines)

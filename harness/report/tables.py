@@ -1,0 +1,122 @@
+"""The cells, lines and tables that the terminal and markdown renderers share: one place that says how a
+number, a delta with its CI, a configuration and a plan are shown."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from harness.core.project import project_root
+from harness.core.sizes import format_bytes
+from harness.domain.catalogue import FULL, STOCK
+from harness.domain.plan import ComparePlan
+from harness.domain.results import CompareResult, EstimateRow, QualityRow, SpeedRow, SweepResult, SweepRow, TopicRow
+from harness.stats.intervals import DeltaPPL
+
+
+def num(x: float | None, fmt: str = ".2f") -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return format(x, fmt)
+
+
+def config_label(config: str) -> str:
+    return {STOCK: "stock llama.cpp", FULL: "full model (cache off)"}.get(config, config)
+
+
+def speed_unit(result: CompareResult) -> str:
+    return "tokens/s (CPU build)" if result.gpu == "none" else "tokens/s"
+
+
+def plan_lines(plan: ComparePlan) -> list[str]:
+    i = plan.info
+    s = plan.slots
+    lines = [
+        f"model: {i.name} ({i.arch}), {i.n_moe_layers} MoE layers x {i.n_expert} experts, top-{i.n_expert_used}; "
+        f"non-expert weights {format_bytes(i.non_expert_bytes)}, experts {format_bytes(i.expert_bytes)}",
+        f"budget: {format_bytes(plan.budget_bytes)}",
+        f"stock: non-expert weights + {plan.stock_gpu_moe_layers} of {i.n_moe_layers} MoE layers' experts on the "
+        f"device (--n-cpu-moe {plan.stock.n_cpu_moe}); {format_bytes(plan.host_expert_bytes_stock)} of experts "
+        "in host memory",
+        f"patched: non-expert weights + {s.slots_per_layer} cache slots per layer ({s.resident_fraction:.1%} of the "
+        f"experts, {format_bytes(s.cache_bytes)}); all {format_bytes(plan.host_expert_bytes_patched)} of experts "
+        "in host memory" if plan.patched.n_cpu_moe else "patched: the whole model on the device, as stock",
+    ]
+    return lines
+
+
+def speed_cells(r: SpeedRow) -> tuple[str, str, str, str]:
+    ci = r.tokens_per_s
+    mean = num(ci.mean)
+    pm = f"± {num(ci.half_width)}" if math.isfinite(ci.half_width) else "(n=1, no CI)"
+    vs = "-"
+    if r.vs_stock is not None:
+        vs = f"{r.vs_stock.ratio:.2f}x"
+        if math.isfinite(r.vs_stock.low):
+            vs += f" [{r.vs_stock.low:.2f}, {r.vs_stock.high:.2f}]"
+    return mean, pm, str(ci.n), vs
+
+
+def estimate_cells(e: EstimateRow) -> tuple[str, str, str, str]:
+    return (config_label(e.config), f"{e.ms_per_token:.2f}", f"{1000 / e.ms_per_token:.1f}",
+            f"{e.vs_stock:.2f}x" if e.vs_stock is not None else "-")
+
+
+def quality_cells(r: QualityRow) -> tuple[str, str, str, str, str, str]:
+    ppl = f"{r.ppl:.4f} ± {r.ppl_se:.4f}"
+    if r.delta is not None:
+        d = f"{r.delta.delta_pct:+.2f}% [{r.delta.low:+.2f}, {r.delta.high:+.2f}]"
+    elif r.config in (FULL, STOCK):
+        d = "(reference)" if r.config == FULL else "-"
+    else:
+        d = r.note or "-"
+    c = r.cache
+    sub = num(c.substitution_rate * 100, ".2f") + "%" if c and c.substitution_rate is not None else "-"
+    mass = num(c.substituted_mass, ".4f") if c else "-"
+    fetch = num(c.fetches_per_token, ".2f") if c else "-"
+    return config_label(r.config), ppl, d, sub, mass, fetch
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def sweep_cells(r: SweepRow, front: tuple[str, ...]) -> list[str]:
+    d = r.delta
+    delta = f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]" if d is not None else "-"
+    return [r.point.name, f"{r.ppl:.4f}", delta,
+            num(r.substitution_rate * 100, ".2f") + "%" if r.substitution_rate is not None else "-",
+            num(r.substituted_mass, ".4f"), num(r.fetches_per_token, ".2f"), num(r.est_ms_per_token, ".3f"),
+            "*" if r.point.name in front else ""]
+
+
+SWEEP_HEADER = ["policy", "PPL", "delta PPL [95% CI]", "substituted", "mass", "fetches/token", "est. ms/token",
+                 "frontier"]
+
+
+def mass_line(result: SweepResult) -> str:
+    m = result.mass
+    if m.correlation is None:
+        return f"mass hypothesis: not tested ({m.note})"
+    c = m.correlation
+    return (f"mass hypothesis: Pearson r = {c.r:.3f}, 95% CI [{c.low:.3f}, {c.high:.3f}] (Fisher z), over {c.n} "
+            "policies that always fetch the first choice (substituted mass vs delta PPL%)")
+
+
+def shown(path: object) -> str:
+    """A path as a report shows it: relative to the checkout when inside it, so reports do not name one machine."""
+    p = Path(str(path))
+    try:
+        return str(p.resolve().relative_to(project_root()))
+    except (ValueError, OSError):
+        return str(p)
+
+
+def delta_cell(d: DeltaPPL | None) -> str:
+    return f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]" if d is not None else "-"
+
+
+def topic_cells(r: TopicRow) -> list[str]:
+    return [r.label, delta_cell(r.overall), delta_cell(r.after_change), delta_cell(r.elsewhere)]

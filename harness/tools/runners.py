@@ -1,0 +1,369 @@
+"""Runners: the only layer that starts processes. Each runs one built llama.cpp tool and returns its raw
+output together with the parsed result.
+
+A tool that exits non-zero raises `ToolCrashedError` showing its last lines; one that runs past its
+timeout is killed and raises `ToolTimeoutError`. Ctrl-C kills the child and propagates.
+The expert cache of the patched build is configured by the environment variable `CACHE_ENV_VAR`, whose
+value `CacheSpec.render()` writes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from harness.core.errors import HarnessError
+from harness.core.project import Build, with_log_drain
+from harness.parsers import (
+    BenchResult,
+    MemoryBreakdown,
+    ParseError,
+    PerplexityResult,
+    parse_bench_json,
+    parse_memory_breakdown,
+    parse_perplexity,
+    tail,
+)
+from harness.parsers.cache_stats import CacheStats, parse_cache_stats
+from harness.parsers.nll_dump import NllDump, read_nll_dump_file
+
+CACHE_ENV_VAR = "LLAMA_MOE_CACHE"  # docs/expert-cache.md
+CACHE_MODES = ("off", "emulate", "engine")  # engine: part 2 of the cache, not in every patched build yet
+
+
+class ToolCrashedError(HarnessError):
+    exit_code = 4
+
+
+class ToolTimeoutError(HarnessError):
+    exit_code = 4
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The patched build's cache configuration, rendered as `key=value,...` for CACHE_ENV_VAR.
+
+    `slots` is a count per MoE layer (int) or a string as the user typed it ("25%")."""
+
+    mode: str
+    policy: str | None = None
+    slots: int | str | None = None
+    stats: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise HarnessError(f"unknown cache mode {self.mode!r}: use one of {', '.join(CACHE_MODES)}")
+        for k, v in self.items():
+            if any(c in f"{k}{v}" for c in ",=") and k != "stats":
+                raise HarnessError(f"cache spec value {k}={v!r} may not contain ',' or '='")
+        if self.stats is not None and "," in self.stats:
+            raise HarnessError(f"the cache stats path may not contain ',': {self.stats}")
+
+    def items(self) -> list[tuple[str, str]]:
+        out = [("mode", self.mode)]
+        if self.policy is not None:
+            out.append(("policy", self.policy))
+        if self.slots is not None:
+            out.append(("slots", str(self.slots)))
+        if self.stats is not None:
+            out.append(("stats", self.stats))
+        out.extend(self.extra)
+        return out
+
+    def render(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.items())
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # the variables set on top of the inherited environment
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    peak_gpu_mib: float | None = None  # nvidia-smi, device-wide, minus the level before the run
+
+    @property
+    def text(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+
+def gpu_name() -> str:
+    """The first NVIDIA GPU's name from nvidia-smi, or "none"."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return "none"
+    try:
+        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    names = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    return names[0] if out.returncode == 0 and names else "none"
+
+
+def _gpu_used_mib(exe: str) -> float | None:
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10, check=False)
+        return float(out.stdout.strip().splitlines()[0])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+class GpuMemorySampler:
+    """Polls nvidia-smi (GPU 0) while a tool runs; `peak_mib` is the highest use above the level found at
+    start. Inactive (peak None) without nvidia-smi."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self._exe = shutil.which("nvidia-smi")
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._base: float | None = None
+        self._peak: float | None = None
+
+    def __enter__(self) -> GpuMemorySampler:
+        if self._exe:
+            self._base = _gpu_used_mib(self._exe)
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        assert self._exe
+        while not self._stop.is_set():
+            v = _gpu_used_mib(self._exe)
+            if v is not None:
+                self._peak = v if self._peak is None else max(self._peak, v)
+            self._stop.wait(self._interval)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+
+    @property
+    def peak_mib(self) -> float | None:
+        if self._peak is None or self._base is None:
+            return None
+        return max(0.0, self._peak - self._base)
+
+
+def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+             timeout_s: float = 3600, cwd: Path | None = None, sample_gpu: bool = True) -> RunOutput:
+    """Run `tool args...` with `env` added to the environment; raise on a crash or a timeout."""
+    argv = (str(tool), *args)
+    full_env = dict(os.environ)
+    full_env.pop(CACHE_ENV_VAR, None)  # only what the caller asks for reaches the tool
+    full_env.update(env or {})
+    with_log_drain(full_env)
+    t0 = time.monotonic()
+    sampler = GpuMemorySampler() if sample_gpu else None
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace", env=full_env, cwd=cwd, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        raise ToolCrashedError(f"cannot start {tool}: {e}") from None
+    try:
+        if sampler is not None:
+            sampler.__enter__()
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise ToolTimeoutError(f"{tool.name} ran past its timeout of {timeout_s:g} s and was stopped; "
+                               f"last lines:\n{tail(stdout + chr(10) + stderr)}") from None
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        if sampler is not None:
+            sampler.__exit__()
+    wall = time.monotonic() - t0
+    out = RunOutput(argv, dict(env or {}), proc.returncode, stdout, stderr, wall,
+                    sampler.peak_mib if sampler is not None else None)
+    if proc.returncode != 0:
+        how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+               else f"exited with {proc.returncode}")
+        envs = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        raise ToolCrashedError(f"{tool.name} {how}\n  command: {envs + ' ' if envs else ''}{' '.join(argv)}\n"
+                               f"  last lines:\n{tail(stdout + chr(10) + stderr)}")
+    return out
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where weights go: all layers offloaded (-ngl), experts of the first `n_cpu_moe` layers on the CPU."""
+
+    n_gpu_layers: int = 999
+    n_cpu_moe: int = 0
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    model: Path
+    placement: Placement
+    n_prompt: int = 512
+    n_gen: int = 128
+    repetitions: int = 1
+    threads: int | None = None
+    cache: CacheSpec | None = None
+    extra_args: tuple[str, ...] = ()
+    label: str = ""  # the configuration's name in reports
+
+
+@dataclass(frozen=True)
+class PerplexityRequest:
+    model: Path
+    text: Path
+    placement: Placement
+    n_ctx: int = 512
+    n_batch: int = 512
+    chunks: int | None = None
+    threads: int | None = None
+    cache: CacheSpec | None = None
+    nll_dump: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    results: tuple[BenchResult, ...]
+    output: RunOutput
+
+
+@dataclass(frozen=True)
+class PerplexityRun:
+    result: PerplexityResult
+    memory: MemoryBreakdown | None
+    output: RunOutput
+    cache_stats: CacheStats | None = None
+    attempts: int = 1
+
+
+class Runner(Protocol):
+    """What orchestration needs; `ToolRunner` is the real one, tests pass a fake."""
+
+    def bench(self, build: Build, req: BenchRequest) -> BenchRun: ...
+
+    def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun: ...
+
+    def load_nll(self, path: Path) -> NllDump: ...
+
+
+def bench_args(req: BenchRequest) -> list[str]:
+    args = ["-m", str(req.model), "-o", "json", "-r", str(req.repetitions),
+            "-ngl", str(req.placement.n_gpu_layers), "-ncmoe", str(req.placement.n_cpu_moe)]
+    tests = []
+    if req.n_prompt:
+        tests += ["-p", str(req.n_prompt)]
+    else:
+        tests += ["-p", "0"]
+    tests += ["-n", str(req.n_gen)]
+    args += tests
+    if req.threads:
+        args += ["-t", str(req.threads)]
+    return args + list(req.extra_args)
+
+
+def perplexity_args(req: PerplexityRequest) -> list[str]:
+    args = ["-m", str(req.model), "-f", str(req.text), "-c", str(req.n_ctx), "-b", str(req.n_batch),
+            "-ngl", str(req.placement.n_gpu_layers), "--n-cpu-moe", str(req.placement.n_cpu_moe),
+            "--fit", "off", "-lv", "4"]
+    if req.chunks:
+        args += ["--chunks", str(req.chunks)]
+    if req.threads:
+        args += ["-t", str(req.threads)]
+    if req.nll_dump is not None:
+        args += ["--nll-dump", str(req.nll_dump)]
+    return args + list(req.extra_args)
+
+
+def _cache_env(cache: CacheSpec | None) -> dict[str, str]:
+    return {CACHE_ENV_VAR: cache.render()} if cache is not None else {}
+
+
+class ToolRunner:
+    """Runs the real binaries of a build.
+
+    llama-perplexity logs through an asynchronous queue that upstream does not flush at exit
+    (common/log.cpp, `common_log_main`), so a run that exits 0 sometimes lacks its last lines (the final
+    estimate, the memory breakdown); such a run is repeated, up to `attempts` times in all. Measured on
+    this project's machines: the stock build lost its final line in 9 of 20 short runs; the patched build
+    drains the log at exit (patch "log: drain the log queue at exit") and lost none of 20."""
+
+    def __init__(self, timeout_s: float = 3600, attempts: int = 12) -> None:
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+
+    def bench(self, build: Build, req: BenchRequest) -> BenchRun:
+        if req.cache is not None and build.name != "patched":
+            raise HarnessError(f"a cache configuration needs the patched build, not {build.name}")
+        try:
+            out = run_tool(build.tool("llama-bench"), bench_args(req), env=_cache_env(req.cache),
+                           timeout_s=self.timeout_s)
+        except ToolCrashedError as e:
+            # llama-bench hides libllama's log unless -v: repeat a failed context creation verbosely, so the
+            # error names its cause (such as a cache spec the build rejects)
+            if "failed to create context" not in str(e) or "-v" in req.extra_args:
+                raise
+            run_tool(build.tool("llama-bench"), [*bench_args(req), "-v"], env=_cache_env(req.cache),
+                     timeout_s=self.timeout_s)
+            raise
+        try:
+            results = parse_bench_json(out.stdout)
+        except ParseError as e:
+            raise ParseError(e.what, out.text, source="llama-bench") from None
+        return BenchRun(tuple(results), out)
+
+    def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
+        if (req.cache is not None or req.nll_dump is not None) and build.name != "patched":
+            raise HarnessError("a cache configuration or an NLL dump needs the patched build, "
+                               f"not {build.name}")
+        for attempt in range(1, self.attempts + 1):
+            out = run_tool(build.tool("llama-perplexity"), perplexity_args(req), env=_cache_env(req.cache),
+                           timeout_s=self.timeout_s)
+            try:
+                result = parse_perplexity(out.text)
+                memory: MemoryBreakdown | None = parse_memory_breakdown(out.stderr)
+            except ParseError as e:
+                if attempt < self.attempts and output_was_cut(out.text):
+                    continue
+                if "memory breakdown" not in e.what:
+                    raise
+                memory = None
+            return PerplexityRun(result, memory, out, _read_cache_stats(req.cache), attempt)
+        raise AssertionError("unreachable")
+
+    def load_nll(self, path: Path) -> NllDump:
+        if not path.is_file():
+            raise HarnessError(f"the NLL dump {path} is missing: delete its record from results.jsonl to redo the run")
+        return read_nll_dump_file(path)
+
+
+def output_was_cut(text: str) -> bool:
+    """Did a llama-perplexity run that exited 0 lose the end of its output? (The memory breakdown, printed
+    at -lv 4, is the last thing it logs.)"""
+    return "common_memory_breakdown_print: " not in text and "you need at least" not in text
+
+
+def _read_cache_stats(cache: CacheSpec | None) -> CacheStats | None:
+    """The statistics the cache wrote at exit, when the spec asked for them (None when it wrote none)."""
+    if cache is None or cache.stats is None or cache.mode == "off":
+        return None
+    path = Path(cache.stats)
+    if not path.is_file():
+        return None
+    return parse_cache_stats(path.read_text())
