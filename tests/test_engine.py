@@ -16,7 +16,9 @@ Skipped, with the reason, when the patched build has no engine mode yet. While d
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -519,3 +521,46 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
     # decode graphs were reused (the route op runs in a reused graph and reads the cache's current state)
     reused = [int(n) for n in re.findall(r"graphs reused =\s+(\d+)", (tmp_path / "server.log").read_text())]
     assert reused and max(reused) > 0
+
+
+@pytest.mark.build
+def test_engine_budget_is_the_harness_plan(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                                           engine_build: Build) -> None:
+    """One budget arithmetic: the engine's vram= plan (logged in exact bytes) is harness.domain.plan's formula.
+    The harness computes the same bytes per slot and the same banks from the GGUF file; given the engine's weights
+    on the device and its context, budgets at the byte where a slot is gained or lost give the same slots on both
+    sides, and the same minimum (the spare slot, the padding and the reserve counted alike)."""
+    from harness.core.errors import HarnessError
+    from harness.domain.plan import budget_terms
+    from harness.parsers.gguf_model import read_model_info
+
+    def run(model: Path, vram: int, reserve: int, name: str) -> tuple[Run, dict[str, str]]:
+        r = run_ppl(engine_build, model, engine_text, tmp_path / name,
+                    f"mode=engine,policy=quality,vram={vram},vram_reserve={reserve}", ubatch=1,
+                    extra=("--fit", "off", "-lv", "4"), want="expert cache plan")
+        line = re.search(r"expert cache plan: (.*)", r.output)
+        return r, (dict(kv.split("=") for kv in line.group(1).split()) if line else {})
+
+    for arch in ("qwen3moe", "hy_v3"):
+        model = engine_models[arch]
+        ours = budget_terms(read_model_info(model))
+        _, first = run(model, 1 << 20, 0, f"{arch}-probe")
+        assert (int(first["per_slot"]), int(first["banks"])) == (ours.per_slot, ours.n_banks), first
+        for reserve in (0, 12345):
+            terms = dataclasses.replace(ours, weights=int(first["weights"]), context=int(first["context"]),
+                                        reserve=reserve)
+            for vram, want in ((terms.fixed + 20 * terms.per_slot, 20), (terms.fixed + 20 * terms.per_slot - 1, 19),
+                               (terms.minimum, K)):
+                assert terms.slots(vram) == want
+                r, logged = run(model, vram, reserve, f"{arch}-{reserve}-{vram}")
+                check_ok(r)
+                assert r.stats is not None
+                assert int(logged["slots"]) == want == r.stats["config"]["slots"], logged
+            with pytest.raises(HarnessError, match="too small"):
+                terms.slots(terms.minimum - 1)
+            r = run_ppl(engine_build, model, engine_text, tmp_path / f"{arch}-{reserve}-small",
+                        f"mode=engine,vram={terms.minimum - 1},vram_reserve={reserve}", ubatch=1,
+                        extra=("--fit", "off"), want="need at least")
+            m = re.search(r"need at least (\d+) MiB", r.output)
+            assert r.returncode != 0 and m, r.output[-2000:]
+            assert int(m.group(1)) == math.ceil(terms.minimum / 2**20)

@@ -2,7 +2,7 @@ import pytest
 
 from harness.core.errors import HarnessError
 from harness.core.sizes import parse_size
-from harness.domain.plan import budget_bytes, plan_slots
+from harness.domain.plan import BANK_PADDING, budget_bytes, budget_terms, plan_slots
 from harness.parsers.gguf_model import ExpertTensor, ModelInfo
 
 MiB = 2**20
@@ -24,9 +24,11 @@ def _info(n_expert: int = 64, k: int = 8, layers: int = 4, per_expert: int = MiB
 def test_slots_fill_the_budget() -> None:
     info = _info()
     per = info.bytes_per_expert  # 3 * (MiB // 3)
-    budget = info.non_expert_bytes + 20 * per * 4 + per  # room for 20 per layer, plus a bit
+    overhead = per * 4 + BANK_PADDING * 12  # the spare slot of each of the 12 banks, and their padding
+    budget = info.non_expert_bytes + overhead + 20 * per * 4 + per  # room for 20 per layer, plus a bit
     p = plan_slots(info, parse_size(str(budget)))
     assert p.slots_per_layer == 20
+    assert plan_slots(info, parse_size(str(budget - 2 * per))).slots_per_layer == 19  # the spare slot counts
     assert p.cache_bytes == 20 * per * 4
     assert p.cache_bytes + p.non_expert_bytes <= budget
     assert not p.fits_whole_model
@@ -35,7 +37,7 @@ def test_slots_fill_the_budget() -> None:
 def test_reserve_is_taken_first() -> None:
     info = _info()
     per = info.bytes_per_expert
-    budget = info.non_expert_bytes + 20 * per * 4
+    budget = info.non_expert_bytes + 20 * per * 4 + per * 4 + BANK_PADDING * 12
     assert plan_slots(info, parse_size(str(budget)), reserve=4 * per * 4).slots_per_layer == 16
 
 
@@ -47,8 +49,10 @@ def test_whole_model_fits() -> None:
 
 def test_percent_budget_means_share_of_experts() -> None:
     info = _info()
-    assert budget_bytes(info, parse_size("25%")) == info.non_expert_bytes + info.expert_bytes // 4
+    # the share of the experts, plus the cache's spare slot and padding: exactly that share is resident
+    assert budget_bytes(info, parse_size("25%")) == budget_terms(info).fixed + info.expert_bytes // 4
     assert plan_slots(info, parse_size("25%")).slots_per_layer == 16
+    assert plan_slots(info, parse_size("25%"), reserve=10 * MiB).slots_per_layer == 16
 
 
 def test_too_small_budget_names_the_minimum() -> None:
@@ -57,6 +61,10 @@ def test_too_small_budget_names_the_minimum() -> None:
         plan_slots(info, parse_size("50M"))
     # exactly k slots per layer is enough
     per = info.bytes_per_expert
-    assert plan_slots(info, parse_size(str(info.non_expert_bytes + 8 * per * 4))).slots_per_layer == 8
+    minimum = info.non_expert_bytes + 8 * per * 4 + per * 4 + BANK_PADDING * 12
+    assert budget_terms(info).minimum == minimum
+    assert plan_slots(info, parse_size(str(minimum))).slots_per_layer == 8
+    with pytest.raises(HarnessError, match="too small"):
+        plan_slots(info, parse_size(str(minimum - 1)))
     with pytest.raises(HarnessError):
         plan_slots(info, parse_size(str(info.non_expert_bytes + 8 * per * 4 - 1)))

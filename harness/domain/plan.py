@@ -34,31 +34,72 @@ class SlotPlan:
         return self.slots_per_layer >= self.n_expert
 
 
-def budget_bytes(info: ModelInfo, vram: Size) -> int:
-    """A percentage budget means: the non-expert weights plus that share of the expert weights."""
+# The engine's budget arithmetic (src/llama/llama-expert-engine.cpp, llama_expert_engine_slots_for_budget), the one
+# formula of the project: harness info, compare, sweep and study plan with it, and tests/test_budget.py runs the
+# engine with vram= and checks that this formula, given the engine's own inputs, gives its slots and its minimum.
+BANK_PADDING = 512  # bytes of alignment padding counted per cache bank (one bank per routed-expert tensor and layer)
+
+
+@dataclass(frozen=True)
+class BudgetTerms:
+    """The terms of the arithmetic, in bytes: fixed = weights + context + reserve + one spare slot + padding;
+    slots = min(n_expert, (vram - fixed) // per_slot), at least k."""
+
+    weights: int  # the weights on the device (with --cpu-moe: the non-expert weights)
+    context: int  # the context's memory on the device (KV cache); the engine measures it
+    reserve: int  # the compute reserve (the spec's vram_reserve)
+    per_slot: int  # one expert in every bank of every MoE layer
+    n_banks: int  # routed-expert tensors over all MoE layers
+    n_expert: int
+    k: int
+
+    @property
+    def fixed(self) -> int:
+        return self.weights + self.context + self.reserve + self.per_slot + BANK_PADDING * self.n_banks
+
+    @property
+    def minimum(self) -> int:
+        return self.fixed + self.k * self.per_slot
+
+    def slots(self, vram: int) -> int:
+        """Slots per MoE layer in `vram` bytes; HarnessError naming the minimum when fewer than k fit."""
+        if self.per_slot <= 0 or vram < self.minimum:
+            raise HarnessError(
+                f"a budget of {format_bytes(vram)} is too small for this model: its weights on the device take "
+                f"{format_bytes(self.weights)}"
+                + (f", the context {format_bytes(self.context)}" if self.context else "")
+                + (f", the reserve {format_bytes(self.reserve)}" if self.reserve else "")
+                + f", and the cache needs at least {self.k} experts per layer plus a spare slot; the minimum is "
+                f"{format_bytes(self.minimum)}")
+        return min(self.n_expert, (vram - self.fixed) // self.per_slot)
+
+
+def budget_terms(info: ModelInfo, reserve: int = 0, context: int = 0) -> BudgetTerms:
+    """The terms for a model whose routed experts stay in host memory (--cpu-moe): the non-expert weights on the
+    device. `reserve` is the harness's --reserve: the compute reserve plus whatever KV cache it should cover."""
+    return BudgetTerms(weights=info.non_expert_bytes, context=context, reserve=reserve,
+                       per_slot=info.bytes_per_expert * info.n_moe_layers,
+                       n_banks=len(info.expert_tensors), n_expert=info.n_expert, k=info.n_expert_used)
+
+
+def budget_bytes(info: ModelInfo, vram: Size, reserve: int = 0) -> int:
+    """A percentage budget means: the non-expert weights, the reserve and the cache's own overhead (a spare slot
+    and padding) plus that share of the expert weights, so that that share of the experts is resident."""
     if vram.bytes is not None:
         return vram.bytes
     assert vram.fraction is not None
-    return info.non_expert_bytes + int(info.expert_bytes * vram.fraction)
+    terms = budget_terms(info, reserve)
+    return terms.fixed + int(info.expert_bytes * vram.fraction)
 
 
 def plan_slots(info: ModelInfo, vram: Size, reserve: int = 0) -> SlotPlan:
-    """Slots per layer = what is left of the budget after the non-expert weights and `reserve` (KV cache,
-    compute buffers), shared equally by the MoE layers, capped at n_expert. A budget that cannot hold
-    k slots per layer (k = experts used per token) is an error that names the minimum."""
-    budget = budget_bytes(info, vram)
-    per_layer_expert = info.bytes_per_expert
-    free = budget - info.non_expert_bytes - reserve
-    minimum = info.non_expert_bytes + reserve + info.n_expert_used * per_layer_expert * info.n_moe_layers
-    if free < info.n_expert_used * per_layer_expert * info.n_moe_layers:
-        raise HarnessError(
-            f"a budget of {format_bytes(budget)} is too small for this model: its non-expert weights "
-            f"take {format_bytes(info.non_expert_bytes)}"
-            + (f" and the reserve {format_bytes(reserve)}" if reserve else "")
-            + f", and the cache needs at least {info.n_expert_used} experts per layer; the minimum is "
-            f"{format_bytes(minimum)}")
-    slots = min(info.n_expert, free // (per_layer_expert * info.n_moe_layers))
-    return SlotPlan(budget, reserve, info.non_expert_bytes, per_layer_expert, info.n_moe_layers,
+    """Slots per layer that the engine would give this budget (budget_terms, BudgetTerms.slots): what is left after
+    the non-expert weights, `reserve` (KV cache, compute buffers) and the cache's spare slot and padding, capped at
+    n_expert. A budget that cannot hold k slots per layer (k = experts used per token) is an error that names the
+    minimum."""
+    budget = budget_bytes(info, vram, reserve)
+    slots = budget_terms(info, reserve).slots(budget)
+    return SlotPlan(budget, reserve, info.non_expert_bytes, info.bytes_per_expert, info.n_moe_layers,
                     info.n_expert, int(slots))
 
 

@@ -46,7 +46,7 @@ def plan_compare(info: ModelInfo, vram: Size | None, *, reserve_bytes: int = 0,
         size = DEFAULT_RESIDENCY
         notes.append(f"no --vram given: using the budget that keeps about {DEFAULT_RESIDENCY}"
                      " of the experts resident")
-    budget = budget_bytes(info, size)
+    budget = budget_bytes(info, size, reserve_bytes)
     if budget >= info.total_bytes + reserve_bytes:
         notes.append(f"the budget ({format_bytes(budget)}) holds the whole model ({format_bytes(info.total_bytes)})"
                      ": nothing is offloaded, both builds run fully on the device and the cache has nothing "

@@ -42,6 +42,7 @@ from harness.domain.costmodel import (
     stock_gpu_moe_layers,
     stock_work,
 )
+from harness.domain.plan import budget_terms
 from harness.domain.results import SimRow
 from harness.parsers.base import ParseError
 from harness.parsers.gguf_model import ModelInfo
@@ -148,8 +149,10 @@ def per_token(run: SimRun, key: str) -> float:
 
 
 def cache_budget_bytes(info: ModelInfo, slots: int) -> int:
-    """Device memory of the patched engine at `slots` per MoE layer: non-expert weights plus the slots."""
-    return info.non_expert_bytes + slots * info.bytes_per_expert * info.n_moe_layers
+    """Device memory of the patched engine at `slots` per MoE layer (the engine's arithmetic, budget_terms):
+    non-expert weights, the slots, the spare slot and the banks' padding."""
+    terms = budget_terms(info)
+    return terms.fixed + slots * terms.per_slot
 
 
 def check_trace_matches(trace: Path, info: ModelInfo) -> None:
