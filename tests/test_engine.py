@@ -564,3 +564,46 @@ def test_engine_budget_is_the_harness_plan(engine_models: dict[str, Path], engin
             m = re.search(r"need at least (\d+) MiB", r.output)
             assert r.returncode != 0 and m, r.output[-2000:]
             assert int(m.group(1)) == math.ceil(terms.minimum / 2**20)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("policy", "ubatch"), [("quality", 1), ("speed", 1), ("fetch-all", 1), ("fetch-all", None)])
+def test_engine_host_file_equals_ram(arch: str, policy: str, ubatch: int | None, engine_models: dict[str, Path],
+                                     engine_text: Path, tmp_path: Path, stock_build: Build,
+                                     engine_build: Build) -> None:
+    """host=file reads missed experts from the model file instead of the expert tensors in memory: the same
+    decisions and the same copies as host=ram, bit-identical output; through the file, fetch-all is stock."""
+    model = engine_models[arch]
+    spec = f"mode=engine,policy={policy},slots=25%"
+    ram = run_ppl(engine_build, model, engine_text, tmp_path / "ram", spec, ubatch=ubatch)
+    fil = run_ppl(engine_build, model, engine_text, tmp_path / "file", spec + ",host=file", ubatch=ubatch,
+                  extra=("-lv", "4"))
+    check_ok(ram)
+    check_ok(fil)
+    assert ram.stats is not None and fil.stats is not None
+    same_decisions(ram.stats, fil.stats)
+    assert fil.logits == ram.logits
+    assert "host=file: missed experts are read from 1 model file(s)" in fil.output
+    for k in ("copied_experts", "copy_bytes", "bank_bytes"):
+        assert fil.stats["engine"][k] == ram.stats["engine"][k], k
+    assert fil.stats["engine"]["copied_experts"] > 0
+    if policy == "fetch-all":
+        stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", ubatch=ubatch, nll=False)
+        check_ok(stock)
+        assert fil.logits == stock.logits
+
+
+@pytest.mark.build
+def test_engine_host_file_refusals(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                                   engine_build: Build) -> None:
+    """host=file: a clear one-line error without mmap, in emulate mode, with async=thread, or for a bad value."""
+    model = engine_models["qwen3moe"]
+    cases = [("mode=engine,slots=25%,host=file", ("--load-mode", "none"), "not mapped from a file"),
+             ("mode=emulate,slots=25%,host=file", (), "needs mode=engine"),
+             ("mode=engine,slots=25%,host=file,async=thread", (), "async=thread is not supported"),
+             ("mode=engine,slots=25%,host=disk", (), "'host'")]
+    for i, (spec, extra, want) in enumerate(cases):
+        r = run_ppl(engine_build, model, engine_text, tmp_path / str(i), spec, ubatch=1, nll=False, want=want,
+                    extra=extra)
+        assert r.returncode != 0 and want in r.output, (spec, r.output[-1500:])

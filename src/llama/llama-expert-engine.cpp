@@ -5,6 +5,8 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <fstream>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -12,6 +14,10 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 // the device of a layer (the output device for layers the model did not place, if any)
 static ggml_backend_dev_t layer_dev(const llama_model & model, int il) {
@@ -32,8 +38,64 @@ static int expert_dim(const ggml_tensor * t) {
     return 0;
 }
 
+// host=file: the file and offset that a pointer into a file mapping reads, from /proc/self/maps (the model loader
+// keeps its mappings private); false when p is not in a file mapping (the model was not loaded with mmap)
+static bool mapped_file_of(const void * p, std::string & path, uint64_t & off) {
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    const uintptr_t a = (uintptr_t) p;
+    while (std::getline(maps, line)) {
+        unsigned long long lo = 0, hi = 0, foff = 0;
+        char perms[8] = {}, dev[16] = {};
+        unsigned long long inode = 0;
+        int pos = 0;
+        if (sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu %n", &lo, &hi, perms, &foff, dev, &inode, &pos) < 6) {
+            continue;
+        }
+        if (a < lo || a >= hi || inode == 0 || pos <= 0 || (size_t) pos >= line.size() || line[pos] != '/') {
+            continue;
+        }
+        path = line.substr(pos);
+        off  = foff + (a - lo);
+        return true;
+    }
+    return false;
+}
+
+// host=file: read n experts' bytes of bank b, starting at expert e, into slots from s (synchronously), then drop
+// them from the page cache so that the kernel's cache does not become a second, unbudgeted expert cache
+static void read_run(llama_expert_engine & eng, const llama_expert_engine_bank & b, int32_t s, int32_t e, int32_t n) {
+    const size_t   size = (size_t) n*b.stride;
+    const uint64_t off  = b.file_off + (uint64_t) e*b.stride;
+    char * dst = nullptr;
+    const bool host = ggml_backend_buffer_is_host(b.bank->buffer);
+    if (host) {
+        dst = (char *) b.bank->data + (size_t) s*b.stride;
+    } else {
+        eng.staging.resize(size);
+        dst = eng.staging.data();
+    }
+    size_t done = 0;
+    while (done < size) {
+        const ssize_t r = pread(b.fd, dst + done, size - done, (off_t) (off + done));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            GGML_ABORT("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s: the model file was moved, "
+                "truncated or replaced after loading", r < 0 ? "read error" : "short read", size, ggml_get_name(b.src),
+                (unsigned long long) (off + done), b.path.c_str(), r < 0 ? (std::string(" (") + strerror(errno) + ")").c_str() : "");
+        }
+        done += (size_t) r;
+    }
+    posix_fadvise(b.fd, (off_t) off, (off_t) size, POSIX_FADV_DONTNEED);
+    if (!host) {
+        ggml_backend_tensor_set(b.bank, dst, (size_t) s*b.stride, size);
+    }
+}
+
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
-                                         int32_t n_slots_, llama_expert_async async, const char * prefix)
+                                         int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file)
         : n_expert(n_expert_), n_slots(n_slots_) {
     const std::string pfx = prefix;
     layers.resize(moe.size());
@@ -99,7 +161,24 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             ggml_tensor * bank = ggml_new_tensor(it->second, src->type, ggml_n_dims(src), ne);
             ggml_format_name(bank, "%s.cache", ggml_get_name(src));
             GGML_ASSERT(bank->nb[d] == src->nb[d]);
-            layers[il].banks.push_back({ src, bank, src->nb[d] });
+            llama_expert_engine_bank eb;
+            eb.src = src; eb.bank = bank; eb.stride = src->nb[d];
+            if (host_file) {
+                if (!mapped_file_of(src->data, eb.path, eb.file_off)) {
+                    throw std::runtime_error(pfx + "host=file reads experts from the model file, but " + ggml_get_name(src) +
+                        " is not mapped from a file: load the model with mmap (the default; no --no-mmap, no --load-mode none)");
+                }
+                auto f = files.find(eb.path);
+                if (f == files.end()) {
+                    const int fd = open(eb.path.c_str(), O_RDONLY | O_CLOEXEC);
+                    if (fd < 0) {
+                        throw std::runtime_error(pfx + "host=file: cannot open " + eb.path + ": " + strerror(errno));
+                    }
+                    f = files.emplace(eb.path, fd).first;
+                }
+                eb.fd = f->second;
+            }
+            layers[il].banks.push_back(eb);
         }
         layers[il].bank_expert.assign(n_slots, -1);
         layers[il].slot_state.assign(n_slots, LLAMA_EXPERT_SLOT_READY);
@@ -132,8 +211,26 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         sizes.emplace_back(buft, size);
     }
 
-    // background copies: one copier per device of the banks
-    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF) {
+    if (host_file && !no_alloc) {
+        // the expert tensors stay mapped but are never read by the banks: drop their pages (the loader may have
+        // populated the mapping), so that they cost no RAM; stock-path ubatches (prefill) fault them in again
+        const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+        uint64_t released = 0;
+        for (const auto & L : layers) {
+            for (const auto & b : L.banks) {
+                const uintptr_t lo = (uintptr_t) b.src->data & ~(page - 1);
+                const uintptr_t hi = (uintptr_t) b.src->data + ggml_nbytes(b.src);
+                madvise((void *) lo, hi - lo, MADV_DONTNEED);
+                posix_fadvise(b.fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
+                released += ggml_nbytes(b.src);
+            }
+        }
+        LLAMA_LOG_INFO("%s: host=file: missed experts are read from %zu model file(s); %.1f MiB of mapped expert "
+            "tensors released from memory\n", __func__, files.size(), released/1024.0/1024.0);
+    }
+
+    // background copies: one copier per device of the banks (none with host=file: its reads are synchronous)
+    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF && !host_file) {
         std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
         uint32_t delay_us = 0;
         if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US")) {
@@ -178,6 +275,9 @@ llama_expert_engine::~llama_expert_engine() {
         c->wait_all();
     }
     copiers.clear();
+    for (auto & [path, fd] : files) {
+        close(fd);
+    }
 }
 
 ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
@@ -195,10 +295,12 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
 
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
 // async, else synchronously
-static void copy_run(llama_expert_engine_layer & L, int32_t s, int32_t e, int32_t n, bool async) {
+static void copy_run(llama_expert_engine & eng, llama_expert_engine_layer & L, int32_t s, int32_t e, int32_t n, bool async) {
     for (const auto & b : L.banks) {
         const char * src = (const char *) b.src->data + (size_t) e*b.stride;
-        if (async) {
+        if (b.fd >= 0) {
+            read_run(eng, b, s, e, n); // host=file (copies are synchronous: no copier with host=file)
+        } else if (async) {
             L.copier->copy(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
         } else {
             ggml_backend_tensor_set(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
@@ -284,7 +386,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             }
             // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
             // state until the layer's next route step
-            copy_run(L, r.s, r.e, r.n, L.copier != nullptr);
+            copy_run(*this, L, r.s, r.e, r.n, L.copier != nullptr);
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -329,7 +431,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
             // the policy's residency has not changed since (no decision in between): copy it now
             const int32_t e = policy.expert_of[s];
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(L, s, e, 1, false);
+            copy_run(*this, L, s, e, 1, false);
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);

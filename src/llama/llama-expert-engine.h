@@ -71,6 +71,11 @@ struct llama_expert_engine_bank {
     ggml_tensor * src    = nullptr; // the full expert tensor (host memory)
     ggml_tensor * bank   = nullptr; // the cache bank (n_slots + 1 experts)
     size_t        stride = 0;       // bytes per expert (src->nb[dim])
+
+    // host=file: the model file that src is mapped from, and src's offset in it (fd -1: copy from src->data)
+    int         fd       = -1;
+    uint64_t    file_off = 0;
+    std::string path;
 };
 
 struct llama_expert_engine_stats {
@@ -109,8 +114,12 @@ struct llama_expert_engine {
     // Throws std::runtime_error with a clear message for layouts that cannot be copied slot by slot
     // (repacked CPU weights, expert tensors not in host memory).
     llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert, int32_t n_slots,
-                        llama_expert_async async, const char * prefix);
+                        llama_expert_async async, const char * prefix, bool host_file = false);
     ~llama_expert_engine();
+
+    // host=file: the model files the banks read from (path -> fd), closed with the engine
+    std::map<std::string, int> files;
+    std::vector<char> staging; // host=file into banks that are not in host memory
 
     // the bank of a layer's expert tensor; null for null; throws for a tensor without a bank
     ggml_tensor * bank(int32_t il, ggml_tensor * src) const;

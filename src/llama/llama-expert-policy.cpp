@@ -14,7 +14,7 @@
 //
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
-    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, bypass, group, async, profile, profile_out, stats, trace, trace_top";
+    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, bypass, group, async, host, profile, profile_out, stats, trace, trace_top";
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
     switch (rule) {
@@ -277,6 +277,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             } else {
                 return bad_value(err, key, val, "auto (a copy stream on GPUs), off (synchronous copies) or thread (a host copy thread, for RAM banks)");
             }
+        } else if (key == "host") {
+            if (val == "ram") {
+                cfg.host_file = false;
+            } else if (val == "file") {
+                cfg.host_file = true;
+            } else {
+                return bad_value(err, key, val, "ram (copy missed experts from the expert tensors in memory) or file (read them from the model file)");
+            }
         } else if (key == "profile" || key == "profile_out" || key == "stats" || key == "trace") {
             if (val.empty()) {
                 return bad_value(err, key, val, "a file path");
@@ -298,6 +306,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     }
     if (explicit_rule) {
         cfg.preset = "custom";
+    }
+    if (cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_ENGINE) {
+        err = "host=file reads experts into the engine's banks: it needs mode=engine";
+        return false;
+    }
+    if (cfg.host_file && cfg.async == LLAMA_EXPERT_ASYNC_THREAD) {
+        err = "host=file reads experts synchronously for now: async=thread is not supported with it (use async=off)";
+        return false;
     }
     return true;
 }

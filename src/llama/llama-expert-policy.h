@@ -91,6 +91,10 @@ struct llama_expert_cache_config {
     // thread, for banks in RAM: CPU builds, tests)
     llama_expert_async async = LLAMA_EXPERT_ASYNC_AUTO;
 
+    // where engine mode reads a missed expert's bytes: false (host=ram) from the expert tensors in memory,
+    // true (host=file) straight from the model file, so that the mmap'd expert tensors cost no RAM
+    bool host_file = false;
+
     std::string profile;     // initial residency from a profile file (see profile_out)
     std::string profile_out; // write per-layer expert selection counts at the end
     std::string stats;       // write statistics as JSON at the end
