@@ -607,3 +607,54 @@ def test_engine_host_file_refusals(engine_models: dict[str, Path], engine_text: 
         r = run_ppl(engine_build, model, engine_text, tmp_path / str(i), spec, ubatch=1, nll=False, want=want,
                     extra=extra)
         assert r.returncode != 0 and want in r.output, (spec, r.output[-1500:])
+
+
+def _rss_during(args: list[str], env: dict[str, str]) -> tuple[int, list[int], str]:
+    """Run args, sampling the resident set size every 5 ms; (returncode, samples, output)."""
+    import time
+
+    import psutil
+
+    samples: list[int] = []
+    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        proc = psutil.Process(p.pid)
+        deadline = time.time() + 300
+        while p.poll() is None and time.time() < deadline:
+            try:
+                samples.append(int(proc.memory_info().rss))
+            except psutil.Error:
+                break
+            time.sleep(0.005)
+        out = p.communicate(timeout=60)[0]
+    return int(p.returncode), samples, out
+
+
+@pytest.mark.build
+def test_engine_host_file_keeps_the_experts_out_of_ram(engine_text: Path, tmp_path: Path,
+                                                       engine_build: Build) -> None:
+    """host=file: decode reads missed experts from the file, and the mapped expert tensors are released, so the
+    process holds its banks, the non-expert weights and its buffers, not the experts (which host=ram, copying
+    from the mapping, brings into memory)."""
+    from harness.parsers.gguf_model import read_model_info
+
+    model = write_synth_model(SynthSpec(arch="qwen3moe", n_expert=64, n_expert_used=K, n_layer=2, n_embd=512,
+                                        n_ff_exp=512, dtype="q8_0", seed=9), tmp_path / "big-experts.gguf")
+    info = read_model_info(model)
+    assert info.expert_bytes > 8 * info.non_expert_bytes  # the experts are most of the file
+    rss: dict[str, int] = {}
+    for host in ("ram", "file"):
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+        stats = tmp_path / f"stats-{host}.json"
+        env["LLAMA_MOE_CACHE"] = f"mode=engine,policy=quality,slots=25%,host={host},stats={stats}"
+        args = [str(engine_build.tool("llama-perplexity")), "-m", str(model), "-f", str(engine_text), "-c",
+                str(N_CTX), "-b", str(N_CTX), "-ub", "1", "--chunks", str(N_CHUNKS), "-t", THREADS, "-nr"]
+        rc, samples, out = _rss_during(args, env)
+        assert rc == 0, out[-2000:]
+        assert len(samples) > 20, "the run was too short to sample"
+        rss[host] = sorted(samples[len(samples) // 2:])[len(samples[len(samples) // 2:]) // 2]  # median, 2nd half
+        doc = json.loads(stats.read_text())
+        banks = doc["engine"]["bank_bytes"]
+        assert doc["engine"]["copied_experts"] > 0
+    # the banks, the non-expert weights and the runtime (binary, libraries, KV cache, compute buffers)
+    assert rss["file"] < banks + info.non_expert_bytes + 96 * 2**20, (rss, banks, info.non_expert_bytes)
+    assert rss["ram"] - rss["file"] > info.expert_bytes // 2, (rss, info.expert_bytes)
