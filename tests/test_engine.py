@@ -658,3 +658,44 @@ def test_engine_host_file_keeps_the_experts_out_of_ram(engine_text: Path, tmp_pa
     # the banks, the non-expert weights and the runtime (binary, libraries, KV cache, compute buffers)
     assert rss["file"] < banks + info.non_expert_bytes + 96 * 2**20, (rss, banks, info.non_expert_bytes)
     assert rss["ram"] - rss["file"] > info.expert_bytes // 2, (rss, info.expert_bytes)
+
+
+@pytest.mark.build
+def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                           engine_build: Build) -> None:
+    """ram=SIZE (host=file): the slots that fit in a RAM budget next to the non-expert weights (exactly the GGUF's
+    non-expert bytes), the context and the reserve, by the same formula as vram= and the harness; a budget below k
+    slots names its minimum; ram= without host=file, or with vram=, is refused."""
+    from harness.core.errors import HarnessError
+    from harness.domain.plan import budget_terms
+    from harness.parsers.gguf_model import read_model_info
+
+    model = engine_models["qwen3moe"]
+    info = read_model_info(model)
+    ours = budget_terms(info)
+    probe = run_ppl(engine_build, model, engine_text, tmp_path / "probe",
+                    "mode=engine,host=file,ram=64M,vram_reserve=0", ubatch=1, extra=("-lv", "4"),
+                    want="expert cache plan")
+    check_ok(probe)
+    m = re.search(r"expert cache plan: (.*)", probe.output)
+    assert m, probe.output[-2000:]
+    logged = dict(kv.split("=") for kv in m.group(1).split())
+    assert int(logged["weights"]) == info.non_expert_bytes  # the experts stay in the file
+    terms = dataclasses.replace(ours, weights=info.non_expert_bytes, context=int(logged["context"]))
+    assert int(logged["slots"]) == terms.slots(64 << 20) == N_EXPERT
+    for ram, want in ((terms.fixed + 20 * terms.per_slot, 20), (terms.fixed + 20 * terms.per_slot - 1, 19)):
+        r = run_ppl(engine_build, model, engine_text, tmp_path / str(ram),
+                    f"mode=engine,policy=quality,host=file,ram={ram},vram_reserve=0", ubatch=1)
+        check_ok(r)
+        assert r.stats is not None and r.stats["config"]["slots"] == want == terms.slots(ram)
+    with pytest.raises(HarnessError):
+        terms.slots(terms.minimum - 1)
+    small = run_ppl(engine_build, model, engine_text, tmp_path / "small",
+                    f"mode=engine,host=file,ram={terms.minimum - 1},vram_reserve=0", ubatch=1, nll=False,
+                    want="need at least")
+    assert small.returncode != 0 and "ram=" in small.output and "is too small" in small.output
+    for spec, want in (("mode=engine,ram=64M", "needs host=file"), ("mode=engine,host=file,ram=64M,vram=64M",
+                                                                   "two budgets")):
+        bad = run_ppl(engine_build, model, engine_text, tmp_path / want.replace(" ", "-"), spec, ubatch=1, nll=False,
+                      want=want)
+        assert bad.returncode != 0 and want in bad.output

@@ -58,14 +58,14 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     }
 
     n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
-    if (cfg.vram > 0) {
+    if (cfg.vram > 0 || cfg.ram > 0) {
         std::vector<bool> moe(n_layer);
         for (int32_t il = 0; il < n_layer; ++il) {
             moe[il] = il < (int32_t) model.layers.size() &&
                 (model.layers[il].ffn_down_exps != nullptr || model.layers[il].ffn_gate_up_exps != nullptr);
         }
-        n_slots = llama_expert_engine_slots_for_budget(model, moe, n_expert, n_used, cfg.vram, cfg.vram_reserve,
-            ctx_mem, prefix);
+        n_slots = llama_expert_engine_slots_for_budget(model, moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
+            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0);
     }
     if (n_slots > n_expert) {
         throw std::runtime_error(prefix + "slots=" + std::to_string(n_slots) + " is more than the " +

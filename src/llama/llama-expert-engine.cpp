@@ -631,8 +631,9 @@ std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks,
 
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
         int32_t n_expert, int32_t k, uint64_t vram, uint64_t reserve,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix) {
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram) {
     std::map<ggml_backend_buffer_type_t, bool> bufts;
+    uint64_t expert_bytes = 0; // all routed-expert tensors (ram=: they stay in the file, not in the budget)
     uint64_t per_slot = 0; // bytes of one slot in every bank of every MoE layer
     uint64_t n_banks  = 0;
     for (size_t il = 0; il < moe.size(); ++il) {
@@ -647,39 +648,45 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
             if (t) {
                 per_slot += t->nb[expert_dim(t)];
                 n_banks++;
+                expert_bytes += ggml_nbytes(t);
             }
         }
     }
     uint64_t weights = 0, context = 0;
     for (const auto & [buft, size] : model.memory_breakdown()) {
-        if (bufts.count(buft)) {
+        if (ram || bufts.count(buft)) {
             weights += size;
         }
     }
     for (const auto & [buft, size] : ctx_mem) {
-        if (bufts.count(buft)) {
+        if (ram || bufts.count(buft)) {
             context += size;
         }
     }
+    if (ram) {
+        // ram=: the whole process's weights less the routed experts (read from the file with host=file)
+        weights = weights > expert_bytes ? weights - expert_bytes : 0;
+    }
+    const char * key = ram ? "ram" : "vram";
     // the spare slot of every bank, and alignment padding
     const uint64_t fixed   = weights + context + reserve + per_slot + 512*n_banks;
     const uint64_t minimum = fixed + (uint64_t) k*per_slot;
     const double   MiB     = 1024.0*1024.0;
     if (per_slot == 0 || vram < minimum) {
-        throw std::runtime_error(prefix + format("vram=%.0f MiB is too small: the weights on the device (%.1f MiB), the "
+        throw std::runtime_error(prefix + format("%s=%.0f MiB is too small: the weights %s (%.1f MiB), the "
             "context (%.1f MiB), the compute reserve (vram_reserve, %.1f MiB) and %d slots per layer (the experts used "
-            "per token, %.1f MiB) need at least %.0f MiB", vram/MiB, weights/MiB, context/MiB, reserve/MiB, k,
+            "per token, %.1f MiB) need at least %.0f MiB", key, vram/MiB, ram ? "in RAM, the experts excepted" : "on the device", weights/MiB, context/MiB, reserve/MiB, k,
             (fixed - weights - context - reserve + (uint64_t) k*per_slot)/MiB, std::ceil(minimum/MiB)));
     }
     const int32_t n_slots = (int32_t) std::min<uint64_t>((uint64_t) n_expert, (vram - fixed)/per_slot);
     // the same arithmetic in exact bytes, for the harness (harness plan: one formula on both sides, tested)
-    LLAMA_LOG_INFO("%s: expert cache plan: vram=%llu weights=%llu context=%llu reserve=%llu per_slot=%llu banks=%llu "
-        "n_expert=%d k=%d slots=%d\n", __func__, (unsigned long long) vram, (unsigned long long) weights,
+    LLAMA_LOG_INFO("%s: expert cache plan: %s=%llu weights=%llu context=%llu reserve=%llu per_slot=%llu banks=%llu "
+        "n_expert=%d k=%d slots=%d\n", __func__, key, (unsigned long long) vram, (unsigned long long) weights,
         (unsigned long long) context, (unsigned long long) reserve, (unsigned long long) per_slot,
         (unsigned long long) n_banks, n_expert, k, n_slots);
-    LLAMA_LOG_INFO("%s: vram budget %.1f MiB: weights %.1f MiB + context %.1f MiB + compute reserve %.1f MiB + cache "
+    LLAMA_LOG_INFO("%s: %s budget %.1f MiB: weights %.1f MiB + context %.1f MiB + compute reserve %.1f MiB + cache "
         "banks %d slots x %.2f MiB (+1 spare) = %.1f MiB; %d of %d experts resident per layer (%.1f%%)\n", __func__,
-        vram/MiB, weights/MiB, context/MiB, reserve/MiB, n_slots, per_slot/MiB,
+        key, vram/MiB, weights/MiB, context/MiB, reserve/MiB, n_slots, per_slot/MiB,
         (fixed + (uint64_t) n_slots*per_slot)/MiB, n_slots, n_expert, 100.0*n_slots/n_expert);
     return n_slots;
 }

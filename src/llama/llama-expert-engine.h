@@ -166,6 +166,8 @@ struct llama_expert_engine {
 // Residency by budget (`vram=SIZE`): the slots per layer that fit in `vram` bytes next to the model's weights
 // and the context's memory (ctx_mem) in the buffer types of the MoE layers, plus `reserve` bytes for the
 // compute buffers; at most n_expert. Logs the plan. Throws, naming the minimum budget, when fewer than k fit.
+// ram (`ram=SIZE`, CPU builds with host=file): the budget is the process's RAM: all weights but the routed
+// experts, and all of the context's memory, whatever their buffer types.
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
         int32_t n_expert, int32_t k, uint64_t vram, uint64_t reserve,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix);
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram = false);

@@ -14,7 +14,7 @@
 //
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
-    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, bypass, group, async, host, profile, profile_out, stats, trace, trace_top";
+    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, ram, bypass, group, async, host, profile, profile_out, stats, trace, trace_top";
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
     switch (rule) {
@@ -246,6 +246,12 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 }
                 cfg.slots_count = (int32_t) v;
             }
+        } else if (key == "ram") {
+            uint64_t v;
+            if (!parse_size(val, v) || v == 0) {
+                return bad_value(err, key, val, "a size such as 8G or 8GiB (binary), 8GB (decimal), 512M or a number of bytes");
+            }
+            cfg.ram = v;
         } else if (key == "vram" || key == "vram_reserve") {
             uint64_t v;
             if (!parse_size(val, v) || (key == "vram" && v == 0)) {
@@ -306,6 +312,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     }
     if (explicit_rule) {
         cfg.preset = "custom";
+    }
+    if (cfg.ram > 0 && cfg.vram > 0) {
+        err = "ram= and vram= are two budgets for the same banks: give one (vram= where the banks are on a GPU)";
+        return false;
+    }
+    if (cfg.ram > 0 && !cfg.host_file) {
+        err = "ram= budgets RAM with the experts left in the model file: it needs host=file (and mode=engine)";
+        return false;
     }
     if (cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_ENGINE) {
         err = "host=file reads experts into the engine's banks: it needs mode=engine";

@@ -75,7 +75,8 @@ struct llama_expert_cache_config {
     // residency by budget (mode engine or emulate): bytes of device memory for the non-expert weights, the
     // context and the cache banks there; the slots per layer are computed to fit (wins over slots)
     uint64_t vram         = 0;
-    uint64_t vram_reserve = 256ull << 20; // left for the compute buffers, which are sized later
+    uint64_t vram_reserve = 256ull << 20; // left for the compute buffers, which are sized later (either budget)
+    uint64_t ram = 0; // residency from a RAM budget (CPU builds, host=file): the experts stay in the file
 
     // ubatches of at least this many tokens skip the policy: stock routing, then the residency is warmed
     // with the ubatch's most selected experts (prefill); 0: never
