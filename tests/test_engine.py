@@ -276,18 +276,20 @@ def test_engine_group_off(engine_models: dict[str, Path], engine_text: Path, tmp
 @pytest.mark.build
 @pytest.mark.parametrize("spec", ["rule=substitute-all,admit=0.05", "policy=quality", "policy=speed,evict=lfu"])
 @pytest.mark.parametrize("ubatch", [1, 2])
-def test_engine_async_copies(spec: str, ubatch: int, engine_models: dict[str, Path], churn_text: Path,
+@pytest.mark.parametrize("host", ["ram", "file"])
+def test_engine_async_copies(spec: str, ubatch: int, host: str, engine_models: dict[str, Path], churn_text: Path,
                              tmp_path: Path, engine_build: Build, monkeypatch: pytest.MonkeyPatch) -> None:
     """async=thread: background admissions are copied by a host thread while the token computes, each copy held
     back 300 us (LLAMA_MOE_CACHE_TEST_COPY_DELAY_US), so a slot used before its copy completed would compute
     with stale bytes. Decisions and values equal emulate mode's; admissions next to a slot in use are deferred
-    to the next step (the over-read rule) and counted."""
+    to the next step (the over-read rule) and counted. host=file: the same, the thread reading from the file."""
     monkeypatch.setenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US", "300")
     model = engine_models["qwen3moe"]
     full = f"{spec},slots=25%"
     emu = run_ppl(engine_build, model, churn_text, tmp_path / "emu", f"mode=emulate,{full}", ubatch=ubatch)
-    eng = run_ppl(engine_build, model, churn_text, tmp_path / "eng", f"mode=engine,async=thread,{full}",
-                  ubatch=ubatch)
+    # host=file: the copy thread reads the admissions from the model file (async=auto picks it there)
+    eng = run_ppl(engine_build, model, churn_text, tmp_path / "eng",
+                  f"mode=engine,{'async=thread' if host == 'ram' else 'host=file'},{full}", ubatch=ubatch)
     check_ok(emu)
     check_ok(eng)
     assert emu.stats is not None and eng.stats is not None
@@ -597,11 +599,10 @@ def test_engine_host_file_equals_ram(arch: str, policy: str, ubatch: int | None,
 @pytest.mark.build
 def test_engine_host_file_refusals(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
                                    engine_build: Build) -> None:
-    """host=file: a clear one-line error without mmap, in emulate mode, with async=thread, or for a bad value."""
+    """host=file: a clear one-line error without mmap, in emulate mode, or for a bad value."""
     model = engine_models["qwen3moe"]
     cases = [("mode=engine,slots=25%,host=file", ("--load-mode", "none"), "not mapped from a file"),
              ("mode=emulate,slots=25%,host=file", (), "needs mode=engine"),
-             ("mode=engine,slots=25%,host=file,async=thread", (), "async=thread is not supported"),
              ("mode=engine,slots=25%,host=disk", (), "'host'")]
     for i, (spec, extra, want) in enumerate(cases):
         r = run_ppl(engine_build, model, engine_text, tmp_path / str(i), spec, ubatch=1, nll=False, want=want,

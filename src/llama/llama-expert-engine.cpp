@@ -62,35 +62,33 @@ static bool mapped_file_of(const void * p, std::string & path, uint64_t & off) {
     return false;
 }
 
-// host=file: read n experts' bytes of bank b, starting at expert e, into slots from s (synchronously), then drop
-// them from the page cache so that the kernel's cache does not become a second, unbudgeted expert cache
-static void read_run(llama_expert_engine & eng, const llama_expert_engine_bank & b, int32_t s, int32_t e, int32_t n) {
-    const size_t   size = (size_t) n*b.stride;
-    const uint64_t off  = b.file_off + (uint64_t) e*b.stride;
+void llama_expert_read_file(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size,
+                            const char * tensor_name, const char * path) {
+    const bool host = ggml_backend_buffer_is_host(bank->buffer);
+    std::vector<char> staging;
     char * dst = nullptr;
-    const bool host = ggml_backend_buffer_is_host(b.bank->buffer);
     if (host) {
-        dst = (char *) b.bank->data + (size_t) s*b.stride;
+        dst = (char *) bank->data + offset;
     } else {
-        eng.staging.resize(size);
-        dst = eng.staging.data();
+        staging.resize(size);
+        dst = staging.data();
     }
     size_t done = 0;
     while (done < size) {
-        const ssize_t r = pread(b.fd, dst + done, size - done, (off_t) (off + done));
+        const ssize_t r = pread(fd, dst + done, size - done, (off_t) (file_off + done));
         if (r < 0 && errno == EINTR) {
             continue;
         }
         if (r <= 0) {
-            GGML_ABORT("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s: the model file was moved, "
-                "truncated or replaced after loading", r < 0 ? "read error" : "short read", size, ggml_get_name(b.src),
-                (unsigned long long) (off + done), b.path.c_str(), r < 0 ? (std::string(" (") + strerror(errno) + ")").c_str() : "");
+            GGML_ABORT("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
+                "moved, truncated or replaced after loading", r < 0 ? "read error" : "short read", size, tensor_name,
+                (unsigned long long) (file_off + done), path, r < 0 ? ": " : "", r < 0 ? strerror(errno) : "");
         }
         done += (size_t) r;
     }
-    posix_fadvise(b.fd, (off_t) off, (off_t) size, POSIX_FADV_DONTNEED);
+    posix_fadvise(fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
     if (!host) {
-        ggml_backend_tensor_set(b.bank, dst, (size_t) s*b.stride, size);
+        ggml_backend_tensor_set(bank, dst, offset, size);
     }
 }
 
@@ -229,8 +227,9 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             "tensors released from memory\n", __func__, files.size(), released/1024.0/1024.0);
     }
 
-    // background copies: one copier per device of the banks (none with host=file: its reads are synchronous)
-    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF && !host_file) {
+    // background copies: one copier per device of the banks. host=file: reads from the disk are worth overlapping
+    // on any device, so async=auto reads background admissions in a host thread where the banks are in host memory
+    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF) {
         std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
         uint32_t delay_us = 0;
         if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US")) {
@@ -244,7 +243,8 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             auto it = copier_of.find(dev);
             if (it == copier_of.end()) {
                 std::unique_ptr<llama_expert_copier> c;
-                if (async == LLAMA_EXPERT_ASYNC_THREAD) {
+                const bool host_banks = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
+                if (async == LLAMA_EXPERT_ASYNC_THREAD || (host_file && host_banks)) {
                     const bool host = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
                     if (!host) {
                         throw std::runtime_error(pfx + "async=thread copies into banks in host memory, but the banks of "
@@ -295,11 +295,18 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
 
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
 // async, else synchronously
-static void copy_run(llama_expert_engine & eng, llama_expert_engine_layer & L, int32_t s, int32_t e, int32_t n, bool async) {
+static void copy_run(llama_expert_engine_layer & L, int32_t s, int32_t e, int32_t n, bool async) {
     for (const auto & b : L.banks) {
         const char * src = (const char *) b.src->data + (size_t) e*b.stride;
-        if (b.fd >= 0) {
-            read_run(eng, b, s, e, n); // host=file (copies are synchronous: no copier with host=file)
+        if (b.fd >= 0) { // host=file
+            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
+            if (async) {
+                L.copier->read(b.bank, b.fd, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src),
+                               b.path.c_str());
+            } else {
+                llama_expert_read_file(b.bank, b.fd, off, (size_t) s*b.stride, (size_t) n*b.stride,
+                                       ggml_get_name(b.src), b.path.c_str());
+            }
         } else if (async) {
             L.copier->copy(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
         } else {
@@ -386,7 +393,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             }
             // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
             // state until the layer's next route step
-            copy_run(*this, L, r.s, r.e, r.n, L.copier != nullptr);
+            copy_run(L, r.s, r.e, r.n, L.copier != nullptr);
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -431,7 +438,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
             // the policy's residency has not changed since (no decision in between): copy it now
             const int32_t e = policy.expert_of[s];
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(*this, L, s, e, 1, false);
+            copy_run(L, s, e, 1, false);
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);
@@ -536,6 +543,10 @@ struct copier_thread : llama_expert_copier {
         const void  * src;
         size_t        offset;
         size_t        size;
+        int           fd       = -1; // host=file: read from the model file instead of src
+        uint64_t      file_off = 0;
+        const char  * name     = nullptr;
+        const char  * path     = nullptr;
     };
     std::mutex              mtx;
     std::condition_variable cv_job;
@@ -572,7 +583,11 @@ struct copier_thread : llama_expert_copier {
             if (delay_us > 0) {
                 std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
             }
-            ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
+            if (j.fd >= 0) {
+                llama_expert_read_file(j.bank, j.fd, j.file_off, j.offset, j.size, j.name, j.path);
+            } else {
+                ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
+            }
             lock.lock();
             done++;
             cv_done.notify_all();
@@ -582,6 +597,15 @@ struct copier_thread : llama_expert_copier {
         {
             std::lock_guard<std::mutex> lock(mtx);
             jobs.push_back({ bank, src, offset, size });
+            issued++;
+        }
+        cv_job.notify_one();
+    }
+    void read(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size, const char * name,
+              const char * path) override {
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            jobs.push_back({ bank, nullptr, offset, size, fd, file_off, name, path });
             issued++;
         }
         cv_job.notify_one();

@@ -50,9 +50,20 @@ enum llama_expert_slot_state {
 // n_marks) at the copies issued so far, wait(m) blocks until the copies before the mark have completed,
 // wait_all() until every copy has. The engine uses two marks per layer: its fetches (waited for at once, one
 // wait for all of a step's fetch copies) and its background admissions (waited for at the next step).
+// host=file: read size bytes at file_off of fd into bank at offset (synchronously; a staging buffer when the bank
+// is not in host memory), then drop them from the page cache; aborts, naming the tensor and the file, on a short
+// read or a read error (the model file was moved, truncated or replaced after loading)
+void llama_expert_read_file(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size,
+                            const char * tensor_name, const char * path);
+
 struct llama_expert_copier {
     virtual ~llama_expert_copier() = default;
     virtual void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) = 0;
+    // host=file: the same as a copy, from the model file; by default read synchronously
+    virtual void read(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size,
+                      const char * tensor_name, const char * path) {
+        llama_expert_read_file(bank, fd, file_off, offset, size, tensor_name, path);
+    }
     virtual void record(int32_t mark) = 0;
     virtual void wait(int32_t mark) = 0;
     virtual void wait_all() = 0;
@@ -119,7 +130,6 @@ struct llama_expert_engine {
 
     // host=file: the model files the banks read from (path -> fd), closed with the engine
     std::map<std::string, int> files;
-    std::vector<char> staging; // host=file into banks that are not in host memory
 
     // the bank of a layer's expert tensor; null for null; throws for a tensor without a bank
     ggml_tensor * bank(int32_t il, ggml_tensor * src) const;

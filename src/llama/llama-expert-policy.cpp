@@ -325,10 +325,6 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         err = "host=file reads experts into the engine's banks: it needs mode=engine";
         return false;
     }
-    if (cfg.host_file && cfg.async == LLAMA_EXPERT_ASYNC_THREAD) {
-        err = "host=file reads experts synchronously for now: async=thread is not supported with it (use async=off)";
-        return false;
-    }
     return true;
 }
 
