@@ -12,7 +12,8 @@ from the page cache (posix_fadvise DONTNEED; clean pages, no root needed), so th
 Per run: decode tokens/s (llama-bench tg, mean and 95% CI over the rounds, interleaved), bytes read from storage
 per generated token (the process's read_bytes, load excluded, from a run of 1 token), and for the engine its floor:
 bytes read per token / the disk bandwidth this script measures (reads of one expert tensor's slice, the engine's
-read size) plus the compute time with everything in RAM (stock with the file in the page cache, no limit).
+read size; measured before every round, the median used) plus the compute time with everything in RAM (stock
+with the file in the page cache, no limit).
 
 Usage: .venv/bin/python scripts/bench_tiers.py [--layers 5] [--ram 1600M] [--rounds 3] [--tokens 16]
        [--model FILE] [--slots 25%] [--out results/bench-tiers.json]
@@ -196,9 +197,15 @@ def main() -> int:
         print("bench_tiers: warning: the model is less than 2.5x the RAM limit", file=sys.stderr)
 
     chunk = max(t.n_bytes // info.n_expert for t in info.expert_tensors)
-    seq, rand = disk_bandwidth(model, chunk)
-    print(f"bench_tiers: disk: {seq:.0f} MB/s sequential (16 MiB reads), {rand:.0f} MB/s in reads of one expert "
-          f"tensor slice ({format_bytes(chunk)}) at random offsets", file=sys.stderr)
+    disk: list[tuple[float, float]] = []
+
+    def measure_disk() -> None:
+        seq, rand = disk_bandwidth(model, chunk, seed=len(disk))
+        disk.append((seq, rand))
+        print(f"bench_tiers: disk: {seq:.0f} MB/s sequential (16 MiB reads), {rand:.0f} MB/s in reads of one expert "
+              f"tensor slice ({format_bytes(chunk)}) at random offsets", file=sys.stderr)
+
+    measure_disk()
 
     # compute with everything in RAM: stock, file cached, no limit
     subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)
@@ -234,6 +241,8 @@ def main() -> int:
             if err:
                 errors[name] = err
         for r in range(a.rounds):
+            if r > 0:
+                measure_disk()  # the disk of a shared machine varies: measured every round, the median is used
             for name, build, spec in runs:
                 if name in errors:
                     continue
@@ -251,7 +260,12 @@ def main() -> int:
     finally:
         cg.close()
 
-    out: dict[str, object] = {"model": str(model), "file_bytes": file_bytes, "ram_limit": limit,
+    seq = sorted(d[0] for d in disk)[len(disk) // 2]
+    rand = sorted(d[1] for d in disk)[len(disk) // 2]
+    print(f"bench_tiers: disk, median of {len(disk)} measurements: {seq:.0f} MB/s sequential, {rand:.0f} MB/s in "
+          "expert-slice reads", file=sys.stderr)
+    out: dict[str, object] = {"model": str(model), "disk_samples_MBps": disk, "file_bytes": file_bytes,
+                              "ram_limit": limit,
                               "disk_seq_MBps": seq, "disk_chunk_MBps": rand, "chunk_bytes": chunk,
                               "compute_ms_in_ram": compute_ms, "tokens": a.tokens, "threads": a.threads,
                               "rounds": a.rounds, "runs": {}}
