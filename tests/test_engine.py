@@ -700,3 +700,50 @@ def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tm
         bad = run_ppl(engine_build, model, engine_text, tmp_path / want.replace(" ", "-"), spec, ubatch=1, nll=False,
                       want=want)
         assert bad.returncode != 0 and want in bad.output
+
+
+@pytest.mark.build
+def test_engine_host_file_truncated_after_load(engine_models: dict[str, Path], tmp_path: Path,
+                                               engine_build: Build) -> None:
+    """host=file, the model file truncated while the server runs: the next read fails and the process ends with a
+    message naming the read, the tensor and the file (never a silent wrong answer). The -fit probe context loads
+    nothing, so it must not report host=file errors either."""
+    import shutil
+    import time
+    import urllib.request
+
+    model = tmp_path / "copy.gguf"
+    shutil.copy(engine_models["qwen3moe"], model)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([str(engine_build.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+                                 "--port", str(port), "-c", "256", "-ub", "1", "-t", THREADS, "--no-warmup",
+                                 "--moe-cache", "mode=engine,policy=fetch-all,slots=16,host=file"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.2)
+            os.truncate(model, model.stat().st_size // 3)
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion",
+                                         data=json.dumps({"prompt": "one two three", "n_predict": 16}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(OSError):
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    r.read()
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = log_path.read_text(errors="replace")
+    assert rc != 0
+    assert "host=file: short read of" in out and str(model) in out and "truncated or replaced" in out, out[-3000:]
+    assert "not mapped from a file" not in out  # the -fit probe

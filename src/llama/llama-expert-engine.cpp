@@ -161,7 +161,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             GGML_ASSERT(bank->nb[d] == src->nb[d]);
             llama_expert_engine_bank eb;
             eb.src = src; eb.bank = bank; eb.stride = src->nb[d];
-            if (host_file) {
+            if (host_file && !model.hparams.no_alloc) { // (not in a memory-fitting dry run: nothing is mapped then)
                 if (!mapped_file_of(src->data, eb.path, eb.file_off)) {
                     throw std::runtime_error(pfx + "host=file reads experts from the model file, but " + ggml_get_name(src) +
                         " is not mapped from a file: load the model with mmap (the default; no --no-mmap, no --load-mode none)");
