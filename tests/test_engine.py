@@ -747,3 +747,40 @@ def test_engine_host_file_truncated_after_load(engine_models: dict[str, Path], t
     assert rc != 0
     assert "host=file: short read of" in out and str(model) in out and "truncated or replaced" in out, out[-3000:]
     assert "not mapped from a file" not in out  # the -fit probe
+
+
+@pytest.mark.build
+def test_output_paths_checked_first_and_fit_probe_writes_nothing(engine_models: dict[str, Path],
+                                                                 engine_text: Path, tmp_path: Path,
+                                                                 engine_build: Build) -> None:
+    """stats= and profile_out= that cannot be written fail at start with one line (not after the run, exit 0);
+    llama.cpp's -fit probe context (a memory-fitting dry run, on by default) writes no statistics: while the real
+    run decodes, no stats file exists yet."""
+    import time
+
+    model = engine_models["qwen3moe"]
+    for key in ("stats", "profile_out"):
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+        env["LLAMA_MOE_CACHE"] = f"mode=emulate,slots=25%,{key}=/proc/none/x"
+        bad = subprocess.run([str(engine_build.tool("llama-perplexity")), "-m", str(model), "-f", str(engine_text),
+                              "-c", str(N_CTX), "--chunks", "1", "-t", THREADS], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode != 0 and f"{key}=/proc/none/x: cannot write there" in bad.stdout + bad.stderr
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(engine_text.read_text() * 8)
+    stats = tmp_path / "s.json"
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["LLAMA_MOE_CACHE"] = f"mode=emulate,slots=25%,stats={stats}"
+    log = tmp_path / "run.log"
+    with log.open("w") as f:
+        p = subprocess.Popen([str(engine_build.tool("llama-perplexity")), "-m", str(model), "-f", str(long_text),
+                              "-c", str(N_CTX), "-ub", "1", "-t", "1"], env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 60
+            while "calculating perplexity" not in log.read_text(errors="replace") and time.time() < deadline:
+                time.sleep(0.01)
+            assert p.poll() is None, "the run ended before it could be observed"
+            assert not stats.exists(), "a statistics file exists before the run's end (the -fit probe wrote it)"
+        finally:
+            p.kill()
+            p.wait()

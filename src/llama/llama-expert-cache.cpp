@@ -13,8 +13,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <stdexcept>
+
+#include <unistd.h>
 
 //
 // construction
@@ -44,6 +47,28 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_) {
     const auto & hparams = model.hparams;
     const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
+
+    // a memory-fitting dry run (llama.cpp's -fit probe) sizes the cache but never runs: it writes, prints and
+    // traces nothing, so that no all-zero statistics file is left looking like the run's
+    dry_run = hparams.no_alloc;
+    if (!dry_run) {
+        // the output paths are checked now, not after a long run
+        for (const std::string * path : { &cfg.stats, &cfg.profile_out }) {
+            if (path->empty()) {
+                continue;
+            }
+            const bool existed = access(path->c_str(), F_OK) == 0;
+            FILE * f = fopen(path->c_str(), "a");
+            if (f == nullptr) {
+                throw std::runtime_error(prefix + (path == &cfg.stats ? "stats=" : "profile_out=") + *path +
+                    ": cannot write there (" + strerror(errno) + ")");
+            }
+            fclose(f);
+            if (!existed) {
+                remove(path->c_str());
+            }
+        }
+    }
 
     n_layer  = (int32_t) std::max<size_t>(hparams.n_layer(), model.layers.size()); // including MTP/nextn layers
     n_expert = (int32_t) hparams.n_expert;
@@ -128,7 +153,7 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     }
 
     trace_top = std::min<uint32_t>(cfg.trace_top, (uint32_t) n_expert);
-    if (!cfg.trace.empty()) {
+    if (!cfg.trace.empty() && !dry_run) {
         trace_open();
     }
 
@@ -145,6 +170,9 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
 }
 
 llama_expert_cache::~llama_expert_cache() {
+    if (dry_run) {
+        return;
+    }
     print_stats();
     if (!cfg.stats.empty()) {
         if (write_stats(cfg.stats)) {

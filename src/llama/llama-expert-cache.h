@@ -134,6 +134,7 @@ struct llama_expert_cache {
     int32_t n_used   = 0; // experts per token (k)
     int32_t n_slots  = 0;
     int32_t group_max = 1; // largest ubatch decided as a group (group key; group_max*n_used <= n_slots)
+    bool    dry_run   = false; // a memory-fitting dry run (-fit's probe): no statistics, profile or trace written
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
 
