@@ -61,14 +61,15 @@ def test_cache_spec_parses_sizes_like_the_harness(tmp_path: Path) -> None:
     if cxx is None:
         pytest.skip("no C++ compiler")
     src = project.project_root() / "src"
-    exe = tmp_path / "spec_size"
+    exe = tmp_path / "spec_parse"
     subprocess.run([cxx, "-std=c++17", "-O1", f"-I{src / 'llama'}", f"-I{src / 'include'}",
-                    str(project.project_root() / "tests" / "cpp" / "spec_size.cpp"),
+                    str(project.project_root() / "tests" / "cpp" / "spec_parse.cpp"),
                     str(src / "llama" / "llama-expert-policy.cpp"), "-o", str(exe)], check=True)
     cases = ["24G", "24GiB", "24GB", "24gb", "24g", "512M", "512MiB", "512MB", "1.5G", "1.5GB", "0.5T", "2TiB",
              "1TB", "4096", "4096B", "64K", "64KiB", "64KB", "20M", "3.25M", "7", "24X", "G", "", "1..5G", ".5G",
              "5.G", "-1G", "24 G", "25%", "1e3", "0x10"]
-    out = subprocess.run([str(exe), *cases], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    out = subprocess.run([str(exe), "--vram", *cases], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.split()
     assert len(out) == len(cases)
     for case, cpp in zip(cases, out, strict=True):
         try:

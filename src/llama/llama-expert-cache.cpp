@@ -34,6 +34,10 @@ std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_mod
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + err);
     }
     if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF) {
+        if (!cfg.off_ignored.empty() && !model.hparams.no_alloc) {
+            LLAMA_LOG_WARN("%s: %s='%s': mode=off: the cache is off and %s have no effect\n", __func__,
+                LLAMA_EXPERT_CACHE_ENV, spec, cfg.off_ignored.c_str());
+        }
         return nullptr;
     }
     std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;

@@ -104,8 +104,23 @@ static bool parse_size(const std::string & s, uint64_t & out) {
     return true;
 }
 
+// user text in an error message: control and non-ASCII bytes as \xNN, so that every error stays one line
+static std::string shown(const std::string & s) {
+    std::string o;
+    for (unsigned char c : s) {
+        if (c < 0x20 || c >= 0x7f) {
+            char buf[8];
+            snprintf(buf, sizeof(buf), "\\x%02x", c);
+            o += buf;
+        } else {
+            o += (char) c;
+        }
+    }
+    return o;
+}
+
 static bool bad_value(std::string & err, const std::string & key, const std::string & val, const char * accepted) {
-    err = "bad value '" + val + "' for key '" + key + "' (accepted: " + accepted + ")";
+    err = "bad value '" + shown(val) + "' for key '" + shown(key) + "' (accepted: " + accepted + ")";
     return false;
 }
 
@@ -154,14 +169,29 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 if (item == "off" || item == "emulate" || item == "engine") {
                     kv.emplace_back("mode", item); // shorthand: "off", "emulate", "engine"
                 } else {
-                    err = "'" + item + "' is not key=value (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
+                    err = "'" + shown(item) + "' is not key=value (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
                     return false;
                 }
             } else {
-                kv.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+                // spaces around the key and the value are trimmed too ("tau = 0.2")
+                std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+                while (!k.empty() && std::isspace((unsigned char) k.back()))  { k.pop_back(); }
+                while (!v.empty() && std::isspace((unsigned char) v.front())) { v.erase(v.begin()); }
+                kv.emplace_back(k, v);
             }
         }
         pos = end + 1;
+    }
+
+    // each key once: a second value would silently win
+    for (size_t i = 0; i < kv.size(); ++i) {
+        for (size_t j = 0; j < i; ++j) {
+            if (kv[i].first == kv[j].first) {
+                err = "key '" + shown(kv[i].first) + "' is given twice ('" + shown(kv[j].second) + "' and '" + shown(kv[i].second) +
+                    "'): give it once";
+                return false;
+            }
+        }
     }
 
     if (kv.empty()) {
@@ -306,12 +336,23 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             }
             cfg.trace_top = (uint32_t) v;
         } else {
-            err = "unknown key '" + key + "' (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
+            err = "unknown key '" + shown(key) + "' (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
             return false;
         }
     }
     if (explicit_rule) {
         cfg.preset = "custom";
+    }
+    for (const auto & [key, val] : kv) {
+        if (key == "tau" && cfg.rule != LLAMA_EXPERT_MISS_THRESHOLD) {
+            err = std::string("tau applies to rule=threshold (policy=quality), not to rule=") +
+                llama_expert_miss_rule_name(cfg.rule) + ": remove tau, or use rule=threshold";
+            return false;
+        }
+        if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF && key != "mode") {
+            // not an error (scripts switch the mode of a spec on and off), but said when the context is made
+            cfg.off_ignored += (cfg.off_ignored.empty() ? "" : ", ") + shown(key);
+        }
     }
     if (cfg.ram > 0 && cfg.vram > 0) {
         err = "ram= and vram= are two budgets for the same banks: give one (vram= where the banks are on a GPU)";

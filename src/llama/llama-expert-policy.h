@@ -96,6 +96,8 @@ struct llama_expert_cache_config {
     // true (host=file) straight from the model file, so that the mmap'd expert tensors cost no RAM
     bool host_file = false;
 
+    std::string off_ignored; // mode=off: the other keys given, which have no effect (a warning names them)
+
     std::string profile;     // initial residency from a profile file (see profile_out)
     std::string profile_out; // write per-layer expert selection counts at the end
     std::string stats;       // write statistics as JSON at the end

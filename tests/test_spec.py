@@ -1,0 +1,61 @@
+"""The cache spec's rules (docs/expert-cache.md "Spec rules"), through the real parser (src/llama, compiled here
+with tests/cpp/spec_parse.cpp): each key once, spaces trimmed around items, keys and values, conflicts are errors
+that name the key, and a bounded fuzz loop of random and mutated specs never crashes and always answers one line."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.core import project
+
+SRC = project.project_root() / "src"
+
+
+@pytest.fixture(scope="module")
+def spec_parse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("spec") / "spec_parse"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{SRC / 'llama'}", f"-I{SRC / 'include'}",
+                    str(project.project_root() / "tests" / "cpp" / "spec_parse.cpp"),
+                    str(SRC / "llama" / "llama-expert-policy.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+CASES = [
+    ("mode=emulate,policy=quality,slots=25%", "ok"),
+    (" mode = emulate , policy = quality , tau = 0.2 ", "ok"),  # spaces around items, keys and values
+    ("policy=quality,tau=0.2", "ok"),
+    ("rule=threshold,tau=0.3,slots=16", "ok"),
+    ("slots=4,slots=8", "error: key 'slots' is given twice ('4' and '8')"),
+    ("engine,mode=engine", "error: key 'mode' is given twice"),
+    ("policy=speed,tau=0.2", "error: tau applies to rule=threshold (policy=quality), not to rule=first-choice"),
+    ("policy=quality,rule=first-choice,tau=0.2", "error: tau applies to rule=threshold"),
+    ("mode=off,stats=s.json", "ok"),  # accepted; the context warns that stats has no effect
+    ("off", "ok"),
+    ("mode=off", "ok"),
+    ("bogus=1", "error: unknown key 'bogus'"),
+    ("ta\nu=1", "error: unknown key 'ta\\x0au'"),  # control bytes shown, the message stays one line
+    ("mode=engine,host=file,ram=1G,vram=1G", "error: ram= and vram= are two budgets"),
+]
+
+
+def test_spec_rules(spec_parse: Path) -> None:
+    out = subprocess.run([str(spec_parse), "--spec", *(c for c, _ in CASES)], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.splitlines()
+    assert len(out) == len(CASES), out
+    for (spec, want), got in zip(CASES, out, strict=True):
+        assert got.startswith(want), f"{spec!r}: {got!r}"
+
+
+def test_spec_fuzz_never_crashes_and_answers_one_line(spec_parse: Path) -> None:
+    for seed in (1, 2, 3):
+        res = subprocess.run([str(spec_parse), "--fuzz", "20000", str(seed)], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        assert res.stdout.startswith("fuzz: 20000 specs,"), res.stdout
