@@ -64,6 +64,20 @@ def make_record(key: str, kind: str, provenance: Provenance, data: Mapping[str, 
     return rec
 
 
+def prepare_out_dir(out: Path) -> Path:
+    """The results folder `out` (--out), created if missing, checked before anything runs: a HarnessError with one
+    line if it is a file, lies under a file, or cannot be created or written to."""
+    if out.exists() and not out.is_dir():
+        raise HarnessError(f"--out {out} is a file, not a folder: pass a folder (a new one is created)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HarnessError(f"--out {out}: cannot create the results folder: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise HarnessError(f"--out {out}: the results folder is not writable")
+    return out
+
+
 class ResultsFile:
     """An append-only JSON Lines file of records."""
 
