@@ -3,7 +3,8 @@
 A record is a JSON object with at least `schema_version`, `key` (what run it is: the resume key),
 `kind`, `finished` (UTC ISO time) and `provenance`. Records are appended and flushed one at a time, so a
 run interrupted with Ctrl-C keeps every record that finished; a torn last line (killed mid-write) is
-skipped on reading with a warning, and the run it belonged to is redone.
+skipped on reading with a warning, and the run it belonged to is redone; a run that resumes the file drops
+that line first (ResultsFile.drop_torn_tail).
 """
 
 from __future__ import annotations
@@ -94,6 +95,32 @@ class ResultsFile:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def drop_torn_tail(self) -> bool:
+        """Before appending to a resumed file: remove a torn (unparseable) last line, the trace of a write that was
+        killed, by truncating the file to the end of the line before it (else the next record would be appended
+        to the torn one, and both be lost). True if a line was dropped. A damaged line before the last is left
+        as it is (read skips it with a warning). A complete last record without its newline gets one."""
+        if not self.path.is_file():
+            return False
+        data = self.path.read_bytes()
+        body = data.rstrip(b"\n")
+        start = body.rfind(b"\n") + 1
+        last = body[start:]
+        if not last.strip():
+            return False
+        try:
+            json.loads(last)
+        except ValueError:
+            with self.path.open("r+b") as f:
+                f.truncate(start)
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        if not data.endswith(b"\n"):
+            with self.path.open("ab") as f:
+                f.write(b"\n")
+        return False
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.read())
