@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -194,7 +195,12 @@ def test_a_torn_last_line_is_redone(setup: tuple[CompareOptions, ModelInfo, Fake
     second.dumps = runner.dumps
     res = run_compare(opts, second, info, env=env)
     assert second.calls[0] == "ppl:patched:quality"
-    assert any("damaged record" in w for w in res.warnings)
+    # the torn line is dropped before appending: the redone record is not glued to it (and lost)
+    assert any("dropped the torn last line" in n for n in res.notes)
+    assert not any("damaged record" in w for w in res.warnings)
+    lines = path.read_text().splitlines()
+    assert all(isinstance(json.loads(ln), dict) for ln in lines)  # no torn or glued line is left
+    assert "ppl:quality" in {r["key"] for r in ResultsFile(path).read()}
 
 
 def test_resume_refuses_results_of_another_configuration(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:

@@ -66,3 +66,41 @@ def test_another_schema_version_is_an_error(tmp_path: Path) -> None:
 
 def test_missing_file_reads_empty(tmp_path: Path) -> None:
     assert ResultsFile(tmp_path / "none.jsonl").read() == []
+
+
+def test_a_torn_last_line_is_dropped_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    f = ResultsFile(path)
+    f.append(make_record("a", "x", PROV, {}))
+    good = path.read_bytes()
+    with path.open("a") as fh:
+        fh.write('{"schema_version": 1, "key": "b", "ki')  # killed mid-write
+    assert f.drop_torn_tail() is True
+    assert path.read_bytes() == good  # truncated to the end of the last good line
+    f.append(make_record("b", "x", PROV, {}))
+    assert [r["key"] for r in f.read()] == ["a", "b"] and f.warnings == []
+    assert f.drop_torn_tail() is False and len(path.read_text().splitlines()) == 2
+
+
+def test_a_damaged_line_before_the_last_is_kept_and_skipped(tmp_path: Path) -> None:
+    """Only the last line can be torn by an interrupted append; damage elsewhere is left for the user to see."""
+    path = tmp_path / "results.jsonl"
+    f = ResultsFile(path)
+    f.append(make_record("a", "x", PROV, {}))
+    with path.open("a") as fh:
+        fh.write("{not json\n")
+    f.append(make_record("c", "x", PROV, {}))
+    before = path.read_bytes()
+    assert f.drop_torn_tail() is False and path.read_bytes() == before
+    assert [r["key"] for r in f.read()] == ["a", "c"]
+    assert len(f.warnings) == 1 and ":2: damaged record" in f.warnings[0]
+
+
+def test_a_complete_last_record_without_its_newline_gets_one(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    f = ResultsFile(path)
+    f.append(make_record("a", "x", PROV, {}))
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # killed between the record and its newline
+    assert f.drop_torn_tail() is False
+    f.append(make_record("b", "x", PROV, {}))
+    assert [r["key"] for r in f.read()] == ["a", "b"]

@@ -159,6 +159,64 @@ def test_run_simulate_checks_the_model(hand_trace: Path) -> None:
     assert runner.specs == []  # checked before anything runs
 
 
+def test_residencies_out_of_range_are_refused(hand_trace: Path) -> None:
+    """Above 100% or at most 0% is an error naming the range, not clamped to all experts or to one slot."""
+    runner = FakeSimRunner({})
+    for bad in ("200%", "100.5%", "0%", "0.0%"):
+        with pytest.raises(HarnessError, match=rf"residency {bad} is out of range: .* above 0% and at most 100%"):
+            run_simulate(hand_trace, INFO, ["quality"], ["25%", bad], P, runner)
+    with pytest.raises(HarnessError, match="is 0 slots per layer; this model needs between 2 .* and 8"):
+        run_simulate(hand_trace, INFO, ["quality"], ["0"], P, runner)
+    assert runner.specs == []
+
+
+def test_default_residencies_too_small_for_k_are_skipped(hand_trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 experts, 2 per token: the default 10% is 1 slot, skipped with a note; 25% and 50% run. A user's
+    residency that small is an error naming the minimum; when no default is feasible, one error."""
+    from harness.orchestration import simulate as sim
+    from harness.parsers import gguf_model
+
+    monkeypatch.setattr(gguf_model, "read_model_info", lambda path: INFO)
+    docs = {f"policy={p},slots={r}": stats_doc(p, s, [(100, 50, 0)] * 4)
+            for p in ("quality", "fetch-all") for r, s in (("25%", 2), ("50%", 4))}
+    runner = FakeSimRunner(docs)
+    result = sim.simulate(sim.SimulateOptions(hand_trace, Path("hand.gguf"), ("quality",)), runner)
+    assert [(r.policy, r.residency) for r in result.rows] == [
+        ("quality", "25%"), ("fetch-all", "25%"), ("quality", "50%"), ("fetch-all", "50%")]
+    assert result.notes == ("residency 10% skipped: 1 slots per layer, fewer than the 2 experts used per token",)
+
+    runner = FakeSimRunner({})
+    with pytest.raises(HarnessError, match=r"residency 10% is 1 slots per layer; this model needs between 2 "
+                                           r"\(experts used per token: 25% of 8\) and 8"):
+        sim.simulate(sim.SimulateOptions(hand_trace, Path("hand.gguf"), ("quality",), ("10%", "25%")), runner)
+    wide = dataclasses.replace(INFO, n_expert=64, n_expert_used=40)  # 50% = 32 slots < 40
+    monkeypatch.setattr(gguf_model, "read_model_info", lambda path: wide)
+    with pytest.raises(HarnessError, match=r"none of the default residencies \(10%, 25%, 50%\) gives this model "
+                                           r"enough slots per layer: it needs between 40 .* and 64"):
+        sim.simulate(sim.SimulateOptions(hand_trace, Path("hand.gguf"), ("quality",)), runner)
+    assert runner.specs == []
+
+
+def test_cli_simulate_residency_errors_and_notes(hand_trace: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main
+    from harness.orchestration import simulate as sim
+    from harness.parsers import gguf_model
+
+    monkeypatch.setattr(gguf_model, "read_model_info", lambda path: INFO)
+    assert main(["simulate", "--trace", str(hand_trace), "--model", "hand.gguf", "--residency", "200%"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("harness: error: residency 200% is out of range") and "\n" not in err
+    docs = {f"policy={p},slots={r}": stats_doc(p, s, [(100, 50, 0)] * 4)
+            for p in ("quality", "fetch-all") for r, s in (("25%", 2), ("50%", 4))}
+    monkeypatch.setattr(sim, "ToolSimRunner", lambda build: FakeSimRunner(docs))
+    monkeypatch.setattr("harness.core.project.get_build", lambda name: None)
+    assert main(["simulate", "--trace", str(hand_trace), "--model", "hand.gguf", "--policies", "quality"]) == 0
+    out, err = capsys.readouterr()
+    assert "harness: note: residency 10% skipped" in err
+    assert [ln.split()[0] for ln in out.splitlines()[2:6]] == ["quality", "fetch-all", "quality", "fetch-all"]
+
+
 def test_per_token_rates_when_the_last_layer_decides_fewer_tokens(hand_trace: Path) -> None:
     # a llama-perplexity trace: the last layer decides only the 50 scored tokens of 100
     doc = stats_doc("fetch-all", 2, [(100, 50, 0), (100, 50, 0), (100, 50, 0), (50, 10, 0)])

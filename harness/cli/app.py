@@ -278,9 +278,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from harness.report.simulate import render_simulate
 
     opts = simulate.SimulateOptions(trace=args.trace, model=args.model, policies=options.words(args.policies),
-                                    residencies=options.words(args.residency), profile=args.profile)
-    rows = simulate.simulate(opts)
-    print(render_simulate(rows, markdown=args.markdown), end="")
+                                    residencies=options.words(args.residency) if args.residency else None,
+                                    profile=args.profile)
+    result = simulate.simulate(opts)
+    for note in result.notes:
+        err_console.print(f"harness: note: {note}", highlight=False, soft_wrap=True, markup=False)
+    print(render_simulate(result.rows, markdown=args.markdown), end="")
     return 0
 
 
@@ -295,14 +298,17 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from harness.domain.costmodel import list_profiles
+    from harness.orchestration.simulate import DEFAULT_RESIDENCIES
 
     s = sub.add_parser("simulate", help="replay a router trace under cache policies, with estimated decode speed "
                        "(cost model: estimates, not measurements)")
     s.add_argument("--trace", type=Path, required=True, help="a router trace (LLAMA_MOE_CACHE=...,trace=FILE)")
     options.add_model(s, "the .gguf the trace was recorded with", required=True)
     options.add_policies(s, note="; fetch-all, the baseline, is always included")
-    s.add_argument("--residency", default="10%,25%,50%", help="comma-separated slots per layer: percentages of "
-                   "each layer's experts or counts (default: %(default)s)")
+    defaults = ",".join(DEFAULT_RESIDENCIES).replace("%", "%%")
+    s.add_argument("--residency", help="comma-separated slots per layer: percentages of each layer's experts "
+                   f"(above 0%%, at most 100%%) or counts (default: {defaults}, less those giving fewer slots than "
+                   "the experts used per token)")
     s.add_argument("--profile", default="rtx3090",
                    help=f"hardware profile: {', '.join(list_profiles())}, or a profile .json (default: %(default)s)")
     s.add_argument("--markdown", action="store_true", help="print a Markdown table")

@@ -3,7 +3,8 @@
 A record is a JSON object with at least `schema_version`, `key` (what run it is: the resume key),
 `kind`, `finished` (UTC ISO time) and `provenance`. Records are appended and flushed one at a time, so a
 run interrupted with Ctrl-C keeps every record that finished; a torn last line (killed mid-write) is
-skipped on reading with a warning, and the run it belonged to is redone.
+skipped on reading with a warning, and the run it belonged to is redone; a run that resumes the file drops
+that line first (ResultsFile.drop_torn_tail).
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def make_record(key: str, kind: str, provenance: Provenance, data: Mapping[str, 
     return rec
 
 
+def prepare_out_dir(out: Path) -> Path:
+    """The results folder `out` (--out), created if missing, checked before anything runs: a HarnessError with one
+    line if it is a file, lies under a file, or cannot be created or written to."""
+    if out.exists() and not out.is_dir():
+        raise HarnessError(f"--out {out} is a file, not a folder: pass a folder (a new one is created)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HarnessError(f"--out {out}: cannot create the results folder: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise HarnessError(f"--out {out}: the results folder is not writable")
+    return out
+
+
 class ResultsFile:
     """An append-only JSON Lines file of records."""
 
@@ -80,6 +95,32 @@ class ResultsFile:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def drop_torn_tail(self) -> bool:
+        """Before appending to a resumed file: remove a torn (unparseable) last line, the trace of a write that was
+        killed, by truncating the file to the end of the line before it (else the next record would be appended
+        to the torn one, and both be lost). True if a line was dropped. A damaged line before the last is left
+        as it is (read skips it with a warning). A complete last record without its newline gets one."""
+        if not self.path.is_file():
+            return False
+        data = self.path.read_bytes()
+        body = data.rstrip(b"\n")
+        start = body.rfind(b"\n") + 1
+        last = body[start:]
+        if not last.strip():
+            return False
+        try:
+            json.loads(last)
+        except ValueError:
+            with self.path.open("r+b") as f:
+                f.truncate(start)
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        if not data.endswith(b"\n"):
+            with self.path.open("ab") as f:
+                f.write(b"\n")
+        return False
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.read())

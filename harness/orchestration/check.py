@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.records import prepare_out_dir
 from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
 from harness.domain.results import CompareResult
@@ -122,6 +123,7 @@ class CheckResult:
 def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None, root: Path | None = None) -> CheckResult:
     root = root or project.project_root()
+    prepare_out_dir(opts.out)
     base = read_baseline(opts.baseline) if opts.baseline.is_file() else None
     if base is None and not opts.update:
         raise HarnessError(f"no baseline at {opts.baseline}: create it with --update")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
-from harness.core.records import ResultsFile
+from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import STOCK, check_policies
 from harness.domain.options import CompareOptions
 from harness.domain.plan import ComparePlan
@@ -155,6 +155,7 @@ def compare(opts: CompareOptions, progress: Progress = no_progress, *, runner: R
     from harness.report.markdown import render_compare_markdown
     from harness.tools.runners import ToolRunner
 
+    prepare_out_dir(opts.out)
     model = opts.model or default_model()
     text = resolve_text(opts.text, opts.dataset) if opts.quality else None
     opts = replace(opts, model=model, text=text)

@@ -75,13 +75,15 @@ def execute_runs(specs: Sequence[RunSpec], runner: Runner, builds: dict[str, pro
     if other:
         raise HarnessError(f"{results.path} holds results of a different configuration (model, budget, settings "
                            "or binaries changed): use a new --out directory, or delete the file to start over")
+    notes: list[str] = []
+    if results.drop_torn_tail():
+        notes.append(f"dropped the torn last line of {results.path} (an interrupted write); its run is redone")
     if meta is not None and not any(r.get("kind") == "meta" for r in existing):
         results.append(make_record("meta", "meta", prov, {**meta, "fingerprint": fp}))
     done = {str(r["key"]) for r in existing}
     total = len(specs)
     n_resumed = n_run = 0
     interrupted = no_engine = False
-    notes: list[str] = []
     try:
         for i, spec in enumerate(specs):
             if spec.key in done:

@@ -101,6 +101,9 @@ def check_residency(residency: str) -> str:
     if not _RESIDENCY.match(r):
         raise HarnessError(f"bad residency {residency!r}: give slots per layer as a count (16) or a percentage "
                            "of each layer's experts (25%)")
+    if r.endswith("%") and not 0 < float(r[:-1]) <= 100:
+        raise HarnessError(f"residency {r} is out of range: a percentage of each layer's experts must be above 0% "
+                           "and at most 100%")
     return r
 
 
@@ -165,6 +168,32 @@ def check_trace_matches(trace: Path, info: ModelInfo) -> None:
         raise HarnessError(f"the trace {trace} holds no records (no token was decided)")
 
 
+def _feasible(residency: str, info: ModelInfo) -> bool:
+    return info.n_expert_used <= residency_slots(residency, info.n_expert) <= info.n_expert
+
+
+def _minimum(info: ModelInfo) -> str:
+    k, n = info.n_expert_used, info.n_expert
+    return f"{k} (experts used per token: {100 * k / n:.3g}% of {n})"
+
+
+def plan_residencies(residencies: Sequence[str] | None, info: ModelInfo) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The residencies to replay and notes about them. The user's (`residencies`) are checked as given (run_simulate
+    refuses an infeasible one); of the defaults (None), those giving fewer slots than the experts used per token
+    are skipped with a note, and an error says so if that leaves none."""
+    if residencies is not None:
+        return tuple(check_residency(r) for r in residencies), ()
+    keep = tuple(r for r in DEFAULT_RESIDENCIES if _feasible(r, info))
+    skipped = [r for r in DEFAULT_RESIDENCIES if r not in keep]
+    if not keep:
+        raise HarnessError(f"none of the default residencies ({', '.join(DEFAULT_RESIDENCIES)}) gives this model "
+                           f"enough slots per layer: it needs between {_minimum(info)} and {info.n_expert}; "
+                           "pass --residency")
+    notes = tuple(f"residency {r} skipped: {residency_slots(r, info.n_expert)} slots per layer, fewer than the "
+                  f"{info.n_expert_used} experts used per token" for r in skipped)
+    return keep, notes
+
+
 def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], residencies: Sequence[str],
                  profile: str | Profile, runner: SimRunner) -> list[SimRow]:
     """Replay `trace` for every policy x residency and estimate each one's decode speed (an ESTIMATE).
@@ -180,10 +209,9 @@ def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], re
     res = [check_residency(r) for r in residencies]
     check_trace_matches(trace, info)
     for r in res:  # the tool refuses these too; saying it here names the residency
-        n = residency_slots(r, info.n_expert)
-        if not info.n_expert_used <= n <= info.n_expert:
-            raise HarnessError(f"residency {r} is {n} slots per layer; this model needs between "
-                               f"{info.n_expert_used} (experts used per token) and {info.n_expert}")
+        if not _feasible(r, info):
+            raise HarnessError(f"residency {r} is {residency_slots(r, info.n_expert)} slots per layer; this model "
+                               f"needs between {_minimum(info)} and {info.n_expert}")
     order = list(dict.fromkeys(policies))
     if BASELINE not in order:
         order.append(BASELINE)
@@ -224,21 +252,30 @@ class SimulateOptions:
     trace: Path
     model: Path
     policies: tuple[str, ...] = DEFAULT_POLICIES
-    residencies: tuple[str, ...] = DEFAULT_RESIDENCIES
+    residencies: tuple[str, ...] | None = None  # None: DEFAULT_RESIDENCIES, less those the model cannot run
     profile: str = "rtx3090"
 
 
-def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> list[SimRow]:
-    """The `harness simulate` entry point: model info, the patched build's llama-moe-sim, run_simulate."""
+@dataclass(frozen=True)
+class SimulateResult:
+    rows: tuple[SimRow, ...]
+    notes: tuple[str, ...]  # default residencies skipped
+
+
+def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> SimulateResult:
+    """The `harness simulate` entry point: model info, the residencies (plan_residencies), the patched build's
+    llama-moe-sim, run_simulate."""
     from harness.core.project import get_build
     from harness.parsers.gguf_model import read_model_info
 
     if not opts.trace.is_file():
         raise HarnessError(f"no trace at {opts.trace}: record one with LLAMA_MOE_CACHE=...,trace=FILE")
     info = read_model_info(opts.model)
+    residencies, notes = plan_residencies(opts.residencies, info)
     if runner is None:
         runner = ToolSimRunner(get_build("patched"))
-    return run_simulate(opts.trace, info, opts.policies, opts.residencies, opts.profile, runner)
+    return SimulateResult(tuple(run_simulate(opts.trace, info, opts.policies, residencies, opts.profile, runner)),
+                          notes)
 
 
 # ---- calibration -----------------------------------------------------------------------------------------------

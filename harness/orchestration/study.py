@@ -18,7 +18,7 @@ Verdicts are decided by the rules in `verdicts` (pure) from paired 95% CIs; spee
 from __future__ import annotations
 
 from harness.core.errors import HarnessError
-from harness.core.records import ResultsFile
+from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, STUDY_POLICIES, SWEEP_TAUS
 from harness.domain.options import CompareOptions, StudyOptions, SweepGrid, SweepOptions, TopicOptions
@@ -119,6 +119,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
 
     if not 0 < opts.residency <= 1:
         raise HarnessError(f"the residency must be in (0, 100]%, got {opts.residency * 100:g}%")
+    prepare_out_dir(opts.out)
     c = compare(CompareOptions(out=opts.out / "compare", model=opts.model, text=opts.text, policies=STUDY_POLICIES,
                                vram=Size(fraction=opts.residency), n_ctx=opts.n_ctx,
                                chunks=opts.chunks, threads=opts.threads, speed=False, seed=opts.seed,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.errors import HarnessError
-from harness.core.records import ResultsFile
+from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, RULES
 from harness.domain.costmodel import cache_work, estimate, load_profile
@@ -188,6 +188,7 @@ def sweep(opts: SweepOptions, progress: Progress = no_progress, *, runner: Runne
     from harness.report.markdown import render_sweep_markdown
     from harness.tools.runners import ToolRunner
 
+    prepare_out_dir(opts.out)
     opts = replace(opts, model=opts.model or default_model(), text=resolve_text(opts.text, None))
     model, _ = _resolved(opts)
     result = run_sweep(opts, runner or ToolRunner(), read_model_info(model), env=env, progress=progress)

@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from harness.core import project
 from harness.core.errors import HarnessError
-from harness.core.records import ResultsFile
+from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import FULL, check_policies, is_preset, policy_cache_spec
 from harness.domain.options import TopicOptions
 from harness.domain.plan import RunSpec
@@ -183,6 +183,7 @@ def topic_shift(opts: TopicOptions, progress: Progress = no_progress, *, runner:
     from harness.report.markdown import render_topics_markdown
     from harness.tools.runners import ToolRunner
 
+    prepare_out_dir(opts.out)
     opts = replace(opts, model=opts.model or default_model())
     assert opts.model is not None
     result = run_topic_shift(opts, runner or ToolRunner(), read_model_info(opts.model), env=env, progress=progress)
