@@ -59,15 +59,12 @@ class Cgroup:
         name = f"moe-subst-bench-{os.getpid()}"
         if v2.exists() and "memory" in v2.read_text():
             rel = next(line.split(":", 2)[2] for line in own if line.startswith("0::"))
-            self.path, self.limit_file, self.usage_file = Path("/sys/fs/cgroup") / rel.lstrip("/") / name, \
-                "memory.max", "memory.peak"
+            self.path, self.limit_file = Path("/sys/fs/cgroup") / rel.lstrip("/") / name, "memory.max"
         else:
             rel = next((line.split(":", 2)[2] for line in own if line.split(":")[1] == "memory"), "/")
-            self.path, self.limit_file, self.usage_file = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / name, \
-                "memory.limit_in_bytes", "memory.max_usage_in_bytes"
+            self.path, self.limit_file = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / name, "memory.limit_in_bytes"
         self.path.mkdir()
         (self.path / self.limit_file).write_text(str(limit))
-        self.limit = limit
 
     def run(self, args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
         """Run args inside the cgroup: (returncode, stdout, stderr)."""
