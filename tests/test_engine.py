@@ -74,10 +74,10 @@ class Run:
 
 
 def run_ppl(build: Build, model: Path, text: Path, tmp: Path, spec: str | None = None, *, ubatch: int | None = None,
-            nll: bool = True, want: str = "", extra: tuple[str, ...] = ()) -> Run:
+            nll: bool = True, want: str = "", extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Run:
     """llama-perplexity; results come from the files it writes (its asynchronous log may lose the last lines)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}, **(env or {})}
     stats_path, logits_path, nll_path = tmp / "stats.json", tmp / "logits.bin", tmp / "nll.bin"
     args = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(N_CTX), "-b", str(N_CTX),
             "--chunks", str(N_CHUNKS), "-t", THREADS, "--seed", "1", "--kl-divergence-base", str(logits_path), *extra]
@@ -597,13 +597,67 @@ def test_engine_host_file_equals_ram(arch: str, policy: str, ubatch: int | None,
 
 
 @pytest.mark.build
+@pytest.mark.parametrize("io", ["readers=1,direct=off", "readers=8,direct=auto", "readers=3,direct=on"])
+def test_engine_host_file_readers_and_direct(io: str, engine_models: dict[str, Path], engine_text: Path,
+                                             tmp_path: Path, engine_build: Build) -> None:
+    """host=file with one or several reader threads, O_DIRECT or buffered reads: host=ram's decisions and output
+    bit for bit; every byte copied into the banks was read from the file (the per-tier counters), and the log
+    names the readers and the kind of read (the test's file system, ext4 here, accepts O_DIRECT)."""
+    model = engine_models["qwen3moe"]
+    spec = "mode=engine,policy=quality,slots=25%,admit=on"
+    ram = run_ppl(engine_build, model, engine_text, tmp_path / "ram", spec, ubatch=1)
+    fil = run_ppl(engine_build, model, engine_text, tmp_path / "file", f"{spec},host=file,{io}", ubatch=1,
+                  extra=("-lv", "4"))
+    check_ok(ram)
+    check_ok(fil)
+    assert ram.stats is not None and fil.stats is not None
+    same_decisions(ram.stats, fil.stats)
+    assert fil.logits == ram.logits
+    e = fil.stats["engine"]
+    assert e["background_experts"] > 0  # admissions went through the readers too
+    assert e["file_read_bytes"] == e["copy_bytes"] > 0 and e["file_reads"] == e["copies"], e
+    assert e["file_read_ns"] > 0 and ram.stats["engine"]["file_reads"] == 0
+    readers = int(io.split(",")[0].split("=")[1])
+    direct = "direct=off" not in io
+    assert f"{readers} reader thread(s)" in fil.output, fil.output[-3000:]
+    assert ("O_DIRECT reads" in fil.output) == direct and "O_DIRECT refused" not in fil.output
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("where", ["open", "read"])
+def test_engine_host_file_direct_refused(where: str, engine_models: dict[str, Path], engine_text: Path,
+                                         tmp_path: Path, engine_build: Build) -> None:
+    """A file system that refuses O_DIRECT, at open or at the first read (played by a test variable: this kernel's
+    tmpfs accepts O_DIRECT): direct=auto says so once and reads buffered, with the same output; direct=on refused
+    at open is a one-line error."""
+    model = engine_models["qwen3moe"]
+    spec = "mode=engine,policy=quality,slots=25%,host=file"
+    env = {"LLAMA_MOE_CACHE_TEST_DIRECT": f"refuse-{where}"}
+    ref = run_ppl(engine_build, model, engine_text, tmp_path / "ref", spec, ubatch=1)
+    auto = run_ppl(engine_build, model, engine_text, tmp_path / "auto", spec, ubatch=1, extra=("-lv", "4"), env=env)
+    check_ok(ref)
+    check_ok(auto)
+    said = "O_DIRECT refused for" if where == "open" else "O_DIRECT reads of"
+    assert auto.output.count(said) == 1 and "buffered reads" in auto.output, auto.output[-3000:]
+    assert auto.logits == ref.logits
+    assert auto.stats is not None and auto.stats["engine"]["file_read_bytes"] == auto.stats["engine"]["copy_bytes"]
+    if where == "open":
+        on = run_ppl(engine_build, model, engine_text, tmp_path / "on", spec + ",direct=on", ubatch=1, nll=False,
+                     want="refuses O_DIRECT", env=env)
+        assert on.returncode != 0 and "direct=on: the file system of" in on.output, on.output[-2000:]
+
+
+@pytest.mark.build
 def test_engine_host_file_refusals(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
                                    engine_build: Build) -> None:
     """host=file: a clear one-line error without mmap, in emulate mode, or for a bad value."""
     model = engine_models["qwen3moe"]
     cases = [("mode=engine,slots=25%,host=file", ("--load-mode", "none"), "not mapped from a file"),
              ("mode=emulate,slots=25%,host=file", (), "needs mode=engine"),
-             ("mode=engine,slots=25%,host=disk", (), "'host'")]
+             ("mode=engine,slots=25%,host=disk", (), "'host'"),
+             ("mode=engine,slots=25%,readers=4", (), "readers= sets how host=file reads"),
+             ("mode=engine,slots=25%,host=file,readers=0", (), "'readers'"),
+             ("mode=engine,slots=25%,host=file,direct=yes", (), "'direct'")]
     for i, (spec, extra, want) in enumerate(cases):
         r = run_ppl(engine_build, model, engine_text, tmp_path / str(i), spec, ubatch=1, nll=False, want=want,
                     extra=extra)
@@ -745,7 +799,8 @@ def test_engine_host_file_truncated_after_load(engine_models: dict[str, Path], t
                 proc.wait()
     out = log_path.read_text(errors="replace")
     assert rc != 0
-    assert "host=file: short read of" in out and str(model) in out and "truncated or replaced" in out, out[-3000:]
+    assert "host=file: short read of" in out and str(model) in out, out[-3000:]
+    assert "truncated or damaged after loading" in out, out[-3000:]
     assert "not mapped from a file" not in out  # the -fit probe
 
 

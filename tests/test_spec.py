@@ -42,6 +42,14 @@ CASES = [
     ("bogus=1", "error: unknown key 'bogus'"),
     ("ta\nu=1", "error: unknown key 'ta\\x0au'"),  # control bytes shown, the message stays one line
     ("mode=engine,host=file,ram=1G,vram=1G", "error: ram= and vram= are two budgets"),
+    ("mode=engine,host=file,readers=8,direct=off", "ok"),
+    ("mode=engine,host=file,readers=64,direct=on", "ok"),
+    ("mode=engine,host=file,readers=65", "error: bad value '65' for key 'readers'"),
+    ("mode=engine,host=file,readers=0", "error: bad value '0' for key 'readers'"),
+    ("mode=engine,host=file,direct=maybe", "error: bad value 'maybe' for key 'direct'"),
+    ("mode=engine,readers=2", "error: readers= sets how host=file reads"),
+    ("mode=engine,direct=off", "error: direct= sets how host=file reads"),
+    ("mode=off,readers=2", "ok"),  # mode=off: ignored keys are a warning
 ]
 
 

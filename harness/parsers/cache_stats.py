@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 POLICY_COUNTERS = ("calls", "hits", "misses", "fetches", "substitutions", "drops", "admissions", "evictions",
                    "subst_first_choice", "forced_substitutions", "token_layers", "token_layers_with_subst")
 ENGINE_COUNTERS = ("copied_experts", "copies", "copy_bytes", "copy_ns", "background_experts", "deferred_experts",
-                   "wait_ns")
+                   "wait_ns", "file_reads", "file_read_bytes", "file_read_ns")
 _RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rate")
 _COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens")
 

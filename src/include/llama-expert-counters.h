@@ -31,7 +31,10 @@
     X(copy_ns,            copy_seconds,       "host time copying into cache slots") \
     X(background_experts, background_experts, "experts copied as background admissions") \
     X(deferred_experts,   deferred_experts,   "background admissions deferred to the next step (next to a slot in use)") \
-    X(wait_ns,            copy_wait_seconds,  "host time waiting for background copies")
+    X(wait_ns,            copy_wait_seconds,  "host time waiting for background copies") \
+    X(file_reads,         file_reads,         "reads from the model file (host=file)") \
+    X(file_read_bytes,    file_read_bytes,    "bytes read from the model file (host=file)") \
+    X(file_read_ns,       file_read_seconds,  "time reading the model file, summed over the reader threads (host=file)")
 
 // the route step (all modes)
 #define LLAMA_EXPERT_ROUTE_COUNTERS(X) \

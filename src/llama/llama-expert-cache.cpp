@@ -145,7 +145,8 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
         for (int32_t il = 0; il < n_layer; ++il) {
             moe[il] = layers[il]->moe;
         }
-        engine = std::make_unique<llama_expert_engine>(model, moe, n_expert, n_slots, cfg.async, prefix.c_str(), cfg.host_file);
+        engine = std::make_unique<llama_expert_engine>(model, moe, n_expert, n_slots, cfg.async, prefix.c_str(), cfg.host_file,
+                                                       cfg.readers, cfg.direct);
         // initial fill: the policy's initial residency
         for (int32_t il = 0; il < n_layer; ++il) {
             if (layers[il]->moe) {

@@ -62,38 +62,146 @@ static bool mapped_file_of(const void * p, std::string & path, uint64_t & off) {
     return false;
 }
 
-void llama_expert_read_file(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size,
-                            const char * tensor_name, const char * path) {
-    const bool host = ggml_backend_buffer_is_host(bank->buffer);
-    std::vector<char> staging;
-    char * dst = nullptr;
-    if (host) {
-        dst = (char *) bank->data + offset;
-    } else {
-        staging.resize(size);
-        dst = staging.data();
+// O_DIRECT alignment of file offsets, lengths and buffers (the logical block size of common devices is 512 or 4096)
+static constexpr size_t DIRECT_ALIGN = 4096;
+
+// the calling thread's buffer for O_DIRECT reads, aligned, grown as needed
+static char * direct_buffer(size_t size) {
+    struct buf {
+        char * p = nullptr;
+        size_t n = 0;
+        ~buf() { free(p); }
+    };
+    thread_local buf b;
+    if (b.n < size) {
+        free(b.p);
+        b.p = nullptr;
+        b.n = 0;
+        void * p = nullptr;
+        if (posix_memalign(&p, DIRECT_ALIGN, size) != 0) {
+            return nullptr;
+        }
+        b.p = (char *) p;
+        b.n = size;
     }
+    return b.p;
+}
+
+// pread until size bytes are read; the bytes read, or -errno (0 bytes read at the end of the file: short read)
+static ssize_t read_full(int fd, char * dst, size_t size, uint64_t off) {
     size_t done = 0;
     while (done < size) {
-        const ssize_t r = pread(fd, dst + done, size - done, (off_t) (file_off + done));
+        const ssize_t r = pread(fd, dst + done, size - done, (off_t) (off + done));
         if (r < 0 && errno == EINTR) {
             continue;
         }
-        if (r <= 0) {
-            GGML_ABORT("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
-                "moved, truncated or replaced after loading", r < 0 ? "read error" : "short read", size, tensor_name,
-                (unsigned long long) (file_off + done), path, r < 0 ? ": " : "", r < 0 ? strerror(errno) : "");
+        if (r < 0) {
+            return -errno;
+        }
+        if (r == 0) {
+            break;
         }
         done += (size_t) r;
     }
-    posix_fadvise(fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
-    if (!host) {
-        ggml_backend_tensor_set(bank, dst, offset, size);
+    return (ssize_t) done;
+}
+
+[[noreturn]] static void read_failed(ssize_t r, size_t size, const char * tensor_name, uint64_t off, const char * path) {
+    GGML_ABORT("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
+        "truncated or damaged after loading", r < 0 ? "read error" : "short read", size, tensor_name,
+        (unsigned long long) off, path, r < 0 ? ": " : "", r < 0 ? strerror((int) -r) : "");
+}
+
+void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
+                            const char * tensor_name) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool host = ggml_backend_buffer_is_host(bank->buffer);
+    const char * src = nullptr;
+    std::vector<char> staging;
+    if (f.direct.load(std::memory_order_relaxed)) {
+        // the aligned span around the bytes, into this thread's aligned buffer
+        const uint64_t lo = file_off & ~(uint64_t) (DIRECT_ALIGN - 1);
+        const uint64_t hi = (file_off + size + DIRECT_ALIGN - 1) & ~(uint64_t) (DIRECT_ALIGN - 1);
+        char * buf = direct_buffer((size_t) (hi - lo));
+        const ssize_t r = !buf ? -ENOMEM : f.test_refuse_read ? -EINVAL : read_full(f.fd_direct, buf, (size_t) (hi - lo), lo);
+        if (r == -EINVAL || r == -ENOMEM) {
+            // the file system refuses O_DIRECT reads after all (or no buffer): buffered reads from now on, said once
+            if (f.direct.exchange(false)) {
+                LLAMA_LOG_WARN("expert cache: host=file: O_DIRECT reads of %s refused (%s): buffered reads from now on\n",
+                    f.path.c_str(), strerror((int) -r));
+            }
+        } else if (r < (ssize_t) (file_off + size - lo)) {
+            read_failed(r, size, tensor_name, file_off, f.path.c_str());
+        } else {
+            src = buf + (file_off - lo);
+        }
     }
+    if (src == nullptr) {
+        char * dst = nullptr;
+        if (host) {
+            dst = (char *) bank->data + offset;
+        } else {
+            staging.resize(size);
+            dst = staging.data();
+        }
+        const ssize_t r = read_full(f.fd, dst, size, file_off);
+        if (r != (ssize_t) size) {
+            read_failed(r, size, tensor_name, file_off, f.path.c_str());
+        }
+        posix_fadvise(f.fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
+        src = host ? nullptr : dst;
+    }
+    if (src != nullptr) {
+        if (host) {
+            memcpy((char *) bank->data + offset, src, size);
+        } else {
+            ggml_backend_tensor_set(bank, src, offset, size);
+        }
+    }
+    f.reads.fetch_add(1, std::memory_order_relaxed);
+    f.bytes.fetch_add(size, std::memory_order_relaxed);
+    f.ns.fetch_add((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
+}
+
+// host=file: open a model file for buffered reads and, unless direct=off, with O_DIRECT (refused on some file
+// systems, e.g. tmpfs: direct=auto falls back to buffered reads and says so, direct=on is an error)
+static std::unique_ptr<llama_expert_file> open_model_file(const std::string & path, llama_expert_direct direct,
+                                                          const std::string & pfx) {
+    auto f = std::make_unique<llama_expert_file>();
+    f->path = path;
+    f->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (f->fd < 0) {
+        throw std::runtime_error(pfx + "host=file: cannot open " + path + ": " + strerror(errno));
+    }
+    if (direct != LLAMA_EXPERT_DIRECT_OFF) {
+#ifdef O_DIRECT
+        // tests: LLAMA_MOE_CACHE_TEST_DIRECT=refuse-open|refuse-read plays a file system that refuses O_DIRECT
+        const char * test = getenv("LLAMA_MOE_CACHE_TEST_DIRECT");
+        f->fd_direct = test && strcmp(test, "refuse-open") == 0 ? (errno = EINVAL, -1)
+                                                                : open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        const int err = errno;
+        f->test_refuse_read = test && strcmp(test, "refuse-read") == 0;
+#else
+        const int err = ENOTSUP;
+#endif
+        if (f->fd_direct < 0) {
+            if (direct == LLAMA_EXPERT_DIRECT_ON) {
+                close(f->fd);
+                throw std::runtime_error(pfx + "direct=on: the file system of " + path + " refuses O_DIRECT (" +
+                    strerror(err) + "): use direct=auto or direct=off (buffered reads)");
+            }
+            LLAMA_LOG_INFO("%s: host=file: O_DIRECT refused for %s (%s): buffered reads, pages dropped after each read\n",
+                __func__, path.c_str(), strerror(err));
+        }
+        f->direct = f->fd_direct >= 0;
+    }
+    return f;
 }
 
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
-                                         int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file)
+                                         int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file,
+                                         int32_t readers, llama_expert_direct direct)
         : n_expert(n_expert_), n_slots(n_slots_) {
     const std::string pfx = prefix;
     layers.resize(moe.size());
@@ -162,19 +270,16 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             llama_expert_engine_bank eb;
             eb.src = src; eb.bank = bank; eb.stride = src->nb[d];
             if (host_file && !model.hparams.no_alloc) { // (not in a memory-fitting dry run: nothing is mapped then)
-                if (!mapped_file_of(src->data, eb.path, eb.file_off)) {
+                std::string path;
+                if (!mapped_file_of(src->data, path, eb.file_off)) {
                     throw std::runtime_error(pfx + "host=file reads experts from the model file, but " + ggml_get_name(src) +
                         " is not mapped from a file: load the model with mmap (the default; no --no-mmap, no --load-mode none)");
                 }
-                auto f = files.find(eb.path);
+                auto f = files.find(path);
                 if (f == files.end()) {
-                    const int fd = open(eb.path.c_str(), O_RDONLY | O_CLOEXEC);
-                    if (fd < 0) {
-                        throw std::runtime_error(pfx + "host=file: cannot open " + eb.path + ": " + strerror(errno));
-                    }
-                    f = files.emplace(eb.path, fd).first;
+                    f = files.emplace(path, open_model_file(path, direct, pfx)).first;
                 }
-                eb.fd = f->second;
+                eb.file = f->second.get();
             }
             layers[il].banks.push_back(eb);
         }
@@ -219,7 +324,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                 const uintptr_t lo = (uintptr_t) b.src->data & ~(page - 1);
                 const uintptr_t hi = (uintptr_t) b.src->data + ggml_nbytes(b.src);
                 madvise((void *) lo, hi - lo, MADV_DONTNEED);
-                posix_fadvise(b.fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
+                posix_fadvise(b.file->fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
                 released += ggml_nbytes(b.src);
             }
         }
@@ -250,13 +355,19 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                         throw std::runtime_error(pfx + "async=thread copies into banks in host memory, but the banks of "
                             "layer " + std::to_string(il) + " are on " + ggml_backend_dev_name(dev) + ": use async=auto");
                     }
-                    c = llama_expert_copier_thread(2*(int32_t) moe.size(), delay_us);
+                    c = llama_expert_copier_thread(2*(int32_t) moe.size(), delay_us, host_file ? readers : 1);
                 } else {
                     c = llama_expert_copier_backend(dev, 2*(int32_t) moe.size());
                 }
                 llama_expert_copier * ptr = c.get();
                 if (c) {
-                    LLAMA_LOG_INFO("%s: background admissions: %s on %s\n", __func__, c->name(), ggml_backend_dev_name(dev));
+                    if (host_file && host_banks) {
+                        LLAMA_LOG_INFO("%s: host=file: %d reader thread(s) on %s, fetches first, background admissions "
+                            "after them; %s\n", __func__, readers, ggml_backend_dev_name(dev),
+                            files.empty() || files.begin()->second->direct ? "O_DIRECT reads" : "buffered reads");
+                    } else {
+                        LLAMA_LOG_INFO("%s: background admissions: %s on %s\n", __func__, c->name(), ggml_backend_dev_name(dev));
+                    }
                     copiers.push_back(std::move(c));
                 } else {
                     LLAMA_LOG_INFO("%s: background admissions: synchronous copies (%s offers no async copies with events)\n",
@@ -275,8 +386,11 @@ llama_expert_engine::~llama_expert_engine() {
         c->wait_all();
     }
     copiers.clear();
-    for (auto & [path, fd] : files) {
-        close(fd);
+    for (auto & [path, f] : files) {
+        close(f->fd);
+        if (f->fd_direct >= 0) {
+            close(f->fd_direct);
+        }
     }
 }
 
@@ -295,20 +409,19 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
 
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
 // async, else synchronously
-static void copy_run(llama_expert_engine_layer & L, int32_t s, int32_t e, int32_t n, bool async) {
+static void copy_run(llama_expert_engine_layer & L, int32_t il, int32_t s, int32_t e, int32_t n, bool async, bool fg) {
+    const int32_t mark = fg ? 2*il : 2*il + 1;
     for (const auto & b : L.banks) {
         const char * src = (const char *) b.src->data + (size_t) e*b.stride;
-        if (b.fd >= 0) { // host=file
+        if (b.file != nullptr) { // host=file
             const uint64_t off = b.file_off + (uint64_t) e*b.stride;
             if (async) {
-                L.copier->read(b.bank, b.fd, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src),
-                               b.path.c_str());
+                L.copier->read(mark, fg, b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src));
             } else {
-                llama_expert_read_file(b.bank, b.fd, off, (size_t) s*b.stride, (size_t) n*b.stride,
-                                       ggml_get_name(b.src), b.path.c_str());
+                llama_expert_read_file(b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src));
             }
         } else if (async) {
-            L.copier->copy(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
+            L.copier->copy(mark, fg, b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
         } else {
             ggml_backend_tensor_set(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
         }
@@ -393,7 +506,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             }
             // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
             // state until the layer's next route step
-            copy_run(L, r.s, r.e, r.n, L.copier != nullptr);
+            copy_run(L, il, r.s, r.e, r.n, L.copier != nullptr, fg);
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -438,7 +551,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
             // the policy's residency has not changed since (no decision in between): copy it now
             const int32_t e = policy.expert_of[s];
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(L, s, e, 1, false);
+            copy_run(L, il, s, e, 1, false, true);
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);
@@ -465,12 +578,23 @@ void llama_expert_engine::reset_stats() {
     for (auto & L : layers) {
         L.stats = {};
     }
+    for (auto & [path, f] : files) {
+        f->reads = 0;
+        f->bytes = 0;
+        f->ns    = 0;
+    }
 }
 
 llama_expert_engine_stats llama_expert_engine::total() const {
     llama_expert_engine_stats t;
     for (const auto & L : layers) {
         t.add(L.stats);
+    }
+    // host=file: the reads, counted by the threads that made them
+    for (const auto & [path, f] : files) {
+        t.file_reads      += f->reads.load();
+        t.file_read_bytes += f->bytes.load();
+        t.file_read_ns    += f->ns.load();
     }
     return t;
 }
@@ -516,7 +640,7 @@ struct copier_backend : llama_expert_copier {
             ggml_backend_free(backend);
         }
     }
-    void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
+    void copy(int32_t, bool, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
         ggml_backend_tensor_set_async(backend, bank, src, offset, size);
     }
     void record(int32_t m) override {
@@ -536,31 +660,34 @@ struct copier_backend : llama_expert_copier {
     const char * name() const override { return "a copy stream (second backend instance, events)"; }
 };
 
-// a host thread that runs the copies in order
+// host threads that run the copies (or reads from the model file), urgent ones first; a mark counts the copies
+// issued under it that have not completed
 struct copier_thread : llama_expert_copier {
     struct job {
-        ggml_tensor * bank;
-        const void  * src;
-        size_t        offset;
-        size_t        size;
-        int           fd       = -1; // host=file: read from the model file instead of src
-        uint64_t      file_off = 0;
-        const char  * name     = nullptr;
-        const char  * path     = nullptr;
+        int32_t             mark;
+        ggml_tensor *       bank;
+        const void *        src;
+        size_t              offset;
+        size_t              size;
+        llama_expert_file * file     = nullptr; // host=file: read from the model file instead of src
+        uint64_t            file_off = 0;
+        const char *        name     = nullptr;
     };
-    std::mutex              mtx;
-    std::condition_variable cv_job;
-    std::condition_variable cv_done;
-    std::deque<job>         jobs;
-    uint64_t                issued = 0; // jobs queued so far
-    uint64_t                done   = 0; // jobs completed so far
-    std::vector<uint64_t>   mark;       // per mark: jobs that must be done for the copies before it
-    uint32_t                delay_us = 0;
-    bool                    stop     = false;
-    std::thread             worker;
+    std::mutex               mtx;
+    std::condition_variable  cv_job;
+    std::condition_variable  cv_done;
+    std::deque<job>          urgent_jobs;
+    std::deque<job>          jobs;
+    std::vector<uint64_t>    pending;       // per mark: copies issued under it, not completed
+    uint64_t                 in_flight = 0; // all marks
+    uint32_t                 delay_us = 0;
+    bool                     stop     = false;
+    std::vector<std::thread> workers;
 
-    copier_thread(int32_t n_marks, uint32_t delay) : mark(n_marks, 0), delay_us(delay) {
-        worker = std::thread([this] { run(); });
+    copier_thread(int32_t n_marks, uint32_t delay, int32_t n_threads) : pending(n_marks, 0), delay_us(delay) {
+        for (int32_t i = 0; i < std::max<int32_t>(1, n_threads); ++i) {
+            workers.emplace_back([this] { run(); });
+        }
     }
     ~copier_thread() override {
         {
@@ -568,61 +695,61 @@ struct copier_thread : llama_expert_copier {
             stop = true;
         }
         cv_job.notify_all();
-        worker.join();
+        for (auto & w : workers) {
+            w.join();
+        }
     }
     void run() {
         std::unique_lock<std::mutex> lock(mtx);
         while (true) {
-            cv_job.wait(lock, [this] { return stop || !jobs.empty(); });
-            if (jobs.empty()) {
+            cv_job.wait(lock, [this] { return stop || !urgent_jobs.empty() || !jobs.empty(); });
+            auto & q = !urgent_jobs.empty() ? urgent_jobs : jobs;
+            if (q.empty()) {
                 return; // stop, nothing left
             }
-            const job j = jobs.front();
-            jobs.pop_front();
+            const job j = q.front();
+            q.pop_front();
             lock.unlock();
             if (delay_us > 0) {
                 std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
             }
-            if (j.fd >= 0) {
-                llama_expert_read_file(j.bank, j.fd, j.file_off, j.offset, j.size, j.name, j.path);
+            if (j.file != nullptr) {
+                llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name);
             } else {
                 ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
             }
             lock.lock();
-            done++;
+            pending[j.mark]--;
+            in_flight--;
             cv_done.notify_all();
         }
     }
-    void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
+    void push(bool urgent, const job & j) {
         {
             std::lock_guard<std::mutex> lock(mtx);
-            jobs.push_back({ bank, src, offset, size });
-            issued++;
+            (urgent ? urgent_jobs : jobs).push_back(j);
+            pending[j.mark]++;
+            in_flight++;
         }
         cv_job.notify_one();
     }
-    void read(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size, const char * name,
-              const char * path) override {
-        {
-            std::lock_guard<std::mutex> lock(mtx);
-            jobs.push_back({ bank, nullptr, offset, size, fd, file_off, name, path });
-            issued++;
-        }
-        cv_job.notify_one();
+    void copy(int32_t m, bool urgent, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
+        push(urgent, { m, bank, src, offset, size });
     }
-    void record(int32_t m) override {
-        std::lock_guard<std::mutex> lock(mtx);
-        mark[m] = issued;
+    void read(int32_t m, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset,
+              size_t size, const char * name) override {
+        push(urgent, { m, bank, nullptr, offset, size, &f, file_off, name });
     }
+    void record(int32_t) override {} // the marks count their copies
     void wait(int32_t m) override {
         std::unique_lock<std::mutex> lock(mtx);
-        cv_done.wait(lock, [this, m] { return done >= mark[m]; });
+        cv_done.wait(lock, [this, m] { return pending[m] == 0; });
     }
     void wait_all() override {
         std::unique_lock<std::mutex> lock(mtx);
-        cv_done.wait(lock, [this] { return done >= issued; });
+        cv_done.wait(lock, [this] { return in_flight == 0; });
     }
-    const char * name() const override { return "a host copy thread"; }
+    const char * name() const override { return workers.size() > 1 ? "host reader threads" : "a host copy thread"; }
 };
 
 } // namespace
@@ -649,8 +776,8 @@ std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_de
     return c;
 }
 
-std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us) {
-    return std::make_unique<copier_thread>(n_marks, delay_us);
+std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us, int32_t n_threads) {
+    return std::make_unique<copier_thread>(n_marks, delay_us, n_threads);
 }
 
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,

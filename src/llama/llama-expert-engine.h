@@ -22,6 +22,7 @@
 #include "ggml-cpp.h"
 #include "llama-expert-policy.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -50,19 +51,40 @@ enum llama_expert_slot_state {
 // n_marks) at the copies issued so far, wait(m) blocks until the copies before the mark have completed,
 // wait_all() until every copy has. The engine uses two marks per layer: its fetches (waited for at once, one
 // wait for all of a step's fetch copies) and its background admissions (waited for at the next step).
-// host=file: read size bytes at file_off of fd into bank at offset (synchronously; a staging buffer when the bank
-// is not in host memory), then drop them from the page cache; aborts, naming the tensor and the file, on a short
-// read or a read error (the model file was moved, truncated or replaced after loading)
-void llama_expert_read_file(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size,
-                            const char * tensor_name, const char * path);
+// host=file: a model file the banks read from. fd: buffered reads; fd_direct: the same file opened with O_DIRECT
+// (-1 when refused or direct=off); direct: whether reads use fd_direct (cleared, once, when the file system
+// refuses an O_DIRECT read). The counters are summed over the threads that read.
+struct llama_expert_file {
+    std::string           path;
+    int                   fd        = -1;
+    int                   fd_direct = -1;
+    std::atomic<bool>     direct{false};
+    std::atomic<uint64_t> reads{0};
+    std::atomic<uint64_t> bytes{0};
+    std::atomic<uint64_t> ns{0};
+    bool                  test_refuse_read = false; // tests: O_DIRECT reads fail with EINVAL
+};
 
+// host=file: read size bytes at file_off of f into bank at offset (synchronously; with O_DIRECT the aligned span
+// around them into a buffer of the calling thread, else buffered reads whose pages are then dropped from the page
+// cache); aborts, naming the tensor and the file, on a short read or a read error (the model file was truncated
+// after loading: moving or replacing it is harmless, the engine holds its own descriptors)
+void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
+                            const char * tensor_name);
+
+// Copies into the banks. copy() and read() issue one under a mark (one of n_marks); urgent ones (the ubatch's
+// fetches) go before the others; record(m) closes mark m over the copies issued so far (devices with events),
+// wait(m) blocks until the copies issued under m (and, for in-order copiers, before it) have completed,
+// wait_all() until every copy has. The engine uses two marks per layer: its fetches (waited for at once, one wait
+// for all of a step's fetch copies) and its background admissions (waited for at the next step).
 struct llama_expert_copier {
     virtual ~llama_expert_copier() = default;
-    virtual void copy(ggml_tensor * bank, const void * src, size_t offset, size_t size) = 0;
+    virtual void copy(int32_t mark, bool urgent, ggml_tensor * bank, const void * src, size_t offset, size_t size) = 0;
     // host=file: the same as a copy, from the model file; by default read synchronously
-    virtual void read(ggml_tensor * bank, int fd, uint64_t file_off, size_t offset, size_t size,
-                      const char * tensor_name, const char * path) {
-        llama_expert_read_file(bank, fd, file_off, offset, size, tensor_name, path);
+    virtual void read(int32_t mark, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off,
+                      size_t offset, size_t size, const char * tensor_name) {
+        (void) mark; (void) urgent;
+        llama_expert_read_file(bank, f, file_off, offset, size, tensor_name);
     }
     virtual void record(int32_t mark) = 0;
     virtual void wait(int32_t mark) = 0;
@@ -74,19 +96,18 @@ struct llama_expert_copier {
 // devices with async copies and events); null when the device offers neither
 std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_dev_t dev, int32_t n_marks);
 
-// a host thread that copies into banks in host memory, in order; delay_us (tests) holds every copy back so
-// that a slot used before its copy completed would be caught
-std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us);
+// n_threads host threads that copy (or read) into banks in host memory, urgent copies first; delay_us (tests)
+// holds every copy back so that a slot used before its copy completed would be caught
+std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us, int32_t n_threads = 1);
 
 struct llama_expert_engine_bank {
     ggml_tensor * src    = nullptr; // the full expert tensor (host memory)
     ggml_tensor * bank   = nullptr; // the cache bank (n_slots + 1 experts)
     size_t        stride = 0;       // bytes per expert (src->nb[dim])
 
-    // host=file: the model file that src is mapped from, and src's offset in it (fd -1: copy from src->data)
-    int         fd       = -1;
-    uint64_t    file_off = 0;
-    std::string path;
+    // host=file: the model file that src is mapped from, and src's offset in it (null: copy from src->data)
+    llama_expert_file * file     = nullptr;
+    uint64_t            file_off = 0;
 };
 
 struct llama_expert_engine_stats {
@@ -125,11 +146,12 @@ struct llama_expert_engine {
     // Throws std::runtime_error with a clear message for layouts that cannot be copied slot by slot
     // (repacked CPU weights, expert tensors not in host memory).
     llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert, int32_t n_slots,
-                        llama_expert_async async, const char * prefix, bool host_file = false);
+                        llama_expert_async async, const char * prefix, bool host_file = false, int32_t readers = 1,
+                        llama_expert_direct direct = LLAMA_EXPERT_DIRECT_AUTO);
     ~llama_expert_engine();
 
-    // host=file: the model files the banks read from (path -> fd), closed with the engine
-    std::map<std::string, int> files;
+    // host=file: the model files the banks read from (path -> file), closed with the engine
+    std::map<std::string, std::unique_ptr<llama_expert_file>> files;
 
     // the bank of a layer's expert tensor; null for null; throws for a tensor without a bank
     ggml_tensor * bank(int32_t il, ggml_tensor * src) const;

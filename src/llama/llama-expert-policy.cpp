@@ -14,7 +14,7 @@
 //
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
-    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, ram, bypass, group, async, host, profile, profile_out, stats, trace, trace_top";
+    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, trace_top";
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
     switch (rule) {
@@ -321,6 +321,22 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             } else {
                 return bad_value(err, key, val, "ram (copy missed experts from the expert tensors in memory) or file (read them from the model file)");
             }
+        } else if (key == "readers") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v < 1 || v > 64) {
+                return bad_value(err, key, val, "a number of reader threads, 1 to 64");
+            }
+            cfg.readers = (int32_t) v;
+        } else if (key == "direct") {
+            if (val == "auto") {
+                cfg.direct = LLAMA_EXPERT_DIRECT_AUTO;
+            } else if (val == "on") {
+                cfg.direct = LLAMA_EXPERT_DIRECT_ON;
+            } else if (val == "off") {
+                cfg.direct = LLAMA_EXPERT_DIRECT_OFF;
+            } else {
+                return bad_value(err, key, val, "auto (O_DIRECT reads where the file system allows them, else buffered), on (O_DIRECT or an error) or off (buffered reads)");
+            }
         } else if (key == "profile" || key == "profile_out" || key == "stats" || key == "trace") {
             if (val.empty()) {
                 return bad_value(err, key, val, "a file path");
@@ -361,6 +377,13 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     if (cfg.ram > 0 && !cfg.host_file) {
         err = "ram= budgets RAM with the experts left in the model file: it needs host=file (and mode=engine)";
         return false;
+    }
+    for (const char * k : { "readers", "direct" }) {
+        const bool given = std::any_of(kv.begin(), kv.end(), [k](const auto & p) { return p.first == k; });
+        if (given && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
+            err = std::string(k) + "= sets how host=file reads experts from the model file: it needs host=file";
+            return false;
+        }
     }
     if (cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_ENGINE) {
         err = "host=file reads experts into the engine's banks: it needs mode=engine";

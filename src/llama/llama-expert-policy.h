@@ -43,6 +43,13 @@ enum llama_expert_async {
     LLAMA_EXPERT_ASYNC_THREAD = 2, // a host copy thread (banks in RAM)
 };
 
+// host=file: how the engine reads the model file
+enum llama_expert_direct {
+    LLAMA_EXPERT_DIRECT_AUTO = 0, // O_DIRECT where the file system and alignment allow it, else buffered reads
+    LLAMA_EXPERT_DIRECT_ON   = 1, // O_DIRECT, or an error at start
+    LLAMA_EXPERT_DIRECT_OFF  = 2, // buffered reads, the pages dropped from the page cache after each read
+};
+
 // what happened to one selected expert of one token
 enum llama_expert_action {
     LLAMA_EXPERT_ACTION_HIT        = 0,
@@ -95,6 +102,10 @@ struct llama_expert_cache_config {
     // where engine mode reads a missed expert's bytes: false (host=ram) from the expert tensors in memory,
     // true (host=file) straight from the model file, so that the mmap'd expert tensors cost no RAM
     bool host_file = false;
+    // host=file: threads that read missed experts in parallel (the ubatch's fetches first, background admissions
+    // after them), and whether reads bypass the page cache
+    int32_t             readers = 4;
+    llama_expert_direct direct  = LLAMA_EXPERT_DIRECT_AUTO;
 
     std::string off_ignored; // mode=off: the other keys given, which have no effect (a warning names them)
 
