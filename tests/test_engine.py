@@ -597,6 +597,36 @@ def test_engine_host_file_equals_ram(arch: str, policy: str, ubatch: int | None,
 
 
 @pytest.mark.build
+def test_tau_file_is_the_file_tier_threshold(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                                             engine_build: Build) -> None:
+    """rule=threshold with host=file: misses read from the model file use tau_file. Emulate simulates the file
+    tier (reads nothing) and takes exactly the engine's decisions; tau_file=X with host=file decides as tau=X
+    from memory, and a larger tau_file substitutes more (fewer reads); without tau_file, tau applies."""
+    model = engine_models["qwen3moe"]
+    base = "policy=quality,slots=25%"
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{base},host=file,tau_file=0.3",
+                  ubatch=1)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{base},host=file,tau_file=0.3",
+                  ubatch=1)
+    ram = run_ppl(engine_build, model, engine_text, tmp_path / "ram", f"mode=emulate,{base},tau=0.3", ubatch=1)
+    dflt = run_ppl(engine_build, model, engine_text, tmp_path / "dflt", f"mode=emulate,{base},host=file", ubatch=1)
+    q = run_ppl(engine_build, model, engine_text, tmp_path / "q", f"mode=emulate,{base}", ubatch=1)
+    for r in (emu, eng, ram, dflt, q):
+        check_ok(r)
+        assert r.stats is not None
+    assert emu.stats is not None and eng.stats is not None and ram.stats is not None
+    assert dflt.stats is not None and q.stats is not None
+    same_decisions(emu.stats, eng.stats)
+    same_decisions(emu.stats, ram.stats)
+    assert emu.stats["config"]["tau_file"] == pytest.approx(0.3) and emu.stats["config"]["host"] == "file"
+    assert emu.logits == ram.logits and eng.nll is not None and emu.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+    same_decisions(dflt.stats, q.stats)
+    assert emu.stats["total"]["fetches"] < q.stats["total"]["fetches"]
+    assert emu.stats["total"]["substitutions"] > q.stats["total"]["substitutions"]
+
+
+@pytest.mark.build
 @pytest.mark.parametrize("io", ["readers=1,direct=off", "readers=8,direct=auto", "readers=3,direct=on"])
 def test_engine_host_file_readers_and_direct(io: str, engine_models: dict[str, Path], engine_text: Path,
                                              tmp_path: Path, engine_build: Build) -> None:
@@ -653,7 +683,8 @@ def test_engine_host_file_refusals(engine_models: dict[str, Path], engine_text: 
     """host=file: a clear one-line error without mmap, in emulate mode, or for a bad value."""
     model = engine_models["qwen3moe"]
     cases = [("mode=engine,slots=25%,host=file", ("--load-mode", "none"), "not mapped from a file"),
-             ("mode=emulate,slots=25%,host=file", (), "needs mode=engine"),
+             ("mode=emulate,slots=25%,host=file,readers=2", (), "emulate reads nothing"),
+             ("mode=engine,slots=25%,policy=quality,tau_file=0.3", (), "tau_file is the threshold for misses read"),
              ("mode=engine,slots=25%,host=disk", (), "'host'"),
              ("mode=engine,slots=25%,readers=4", (), "readers= sets how host=file reads"),
              ("mode=engine,slots=25%,host=file,readers=0", (), "'readers'"),

@@ -334,6 +334,7 @@ SPECS = [
     "rule=substitute-all,evict=lfu,admit=on,halve=64,slots=16",
     "rule=drop,slots=25%",
     "policy=fetch-all,evict=lfu,halve=32,slots=9",
+    "policy=quality,host=file,tau_file=0.3,slots=25%",  # the file tier's threshold
 ]
 
 

@@ -50,6 +50,12 @@ CASES = [
     ("mode=engine,readers=2", "error: readers= sets how host=file reads"),
     ("mode=engine,direct=off", "error: direct= sets how host=file reads"),
     ("mode=off,readers=2", "ok"),  # mode=off: ignored keys are a warning
+    ("mode=emulate,host=file,policy=quality,tau_file=0.4", "ok"),
+    ("mode=emulate,host=file,ram=4G", "ok"),
+    ("mode=emulate,host=file,readers=2", "error: readers= sets how mode=engine reads the model file"),
+    ("mode=engine,host=file,policy=speed,tau_file=0.4", "error: tau_file applies to rule=threshold"),
+    ("mode=engine,policy=quality,tau_file=0.4", "error: tau_file is the threshold for misses read from the model"),
+    ("mode=engine,host=file,policy=quality,tau_file=1.5", "error: bad value '1.5' for key 'tau_file'"),
 ]
 
 

@@ -740,6 +740,8 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "    \"policy\": \"%s\",\n", cfg.preset.c_str());
     fprintf(f, "    \"rule\": \"%s\",\n", llama_expert_miss_rule_name(cfg.rule));
     fprintf(f, "    \"tau\": %.9g,\n", cfg.tau);
+    fprintf(f, "    \"host\": \"%s\",\n", cfg.host_file ? "file" : "ram");
+    fprintf(f, "    \"tau_file\": %.9g,\n", cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau);
     fprintf(f, "    \"evict\": \"%s\",\n", llama_expert_evict_name(cfg.evict));
     fprintf(f, "    \"admit\": %s,\n", cfg.admit ? "true" : "false");
     fprintf(f, "    \"beta\": %.9g,\n", cfg.beta);

@@ -231,12 +231,12 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop");
             }
             explicit_rule = true;
-        } else if (key == "tau") {
+        } else if (key == "tau" || key == "tau_file") {
             float v;
             if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
                 return bad_value(err, key, val, "a number in [0, 1]");
             }
-            cfg.tau = v;
+            (key == "tau" ? cfg.tau : cfg.tau_file) = v;
         } else if (key == "evict") {
             if      (val == "lfu") { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
             else if (val == "lru") { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
@@ -360,9 +360,13 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         cfg.preset = "custom";
     }
     for (const auto & [key, val] : kv) {
-        if (key == "tau" && cfg.rule != LLAMA_EXPERT_MISS_THRESHOLD) {
-            err = std::string("tau applies to rule=threshold (policy=quality), not to rule=") +
-                llama_expert_miss_rule_name(cfg.rule) + ": remove tau, or use rule=threshold";
+        if ((key == "tau" || key == "tau_file") && cfg.rule != LLAMA_EXPERT_MISS_THRESHOLD) {
+            err = key + " applies to rule=threshold (policy=quality), not to rule=" +
+                llama_expert_miss_rule_name(cfg.rule) + ": remove " + key + ", or use rule=threshold";
+            return false;
+        }
+        if (key == "tau_file" && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
+            err = "tau_file is the threshold for misses read from the model file: it needs host=file";
             return false;
         }
         if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF && key != "mode") {
@@ -375,7 +379,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         return false;
     }
     if (cfg.ram > 0 && !cfg.host_file) {
-        err = "ram= budgets RAM with the experts left in the model file: it needs host=file (and mode=engine)";
+        err = "ram= budgets RAM with the experts left in the model file: it needs host=file";
         return false;
     }
     for (const char * k : { "readers", "direct" }) {
@@ -385,9 +389,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             return false;
         }
     }
-    if (cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_ENGINE) {
-        err = "host=file reads experts into the engine's banks: it needs mode=engine";
-        return false;
+    if (cfg.host_file && cfg.mode == LLAMA_EXPERT_CACHE_MODE_EMULATE) {
+        // emulate simulates the tiers: misses come from the file (tau_file), nothing is read
+        for (const auto & [key, val] : kv) {
+            if (key == "readers" || key == "direct") {
+                err = key + "= sets how mode=engine reads the model file: emulate reads nothing";
+                return false;
+            }
+        }
     }
     return true;
 }
@@ -424,7 +433,8 @@ void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const 
     n_expert  = n_expert_;
     n_slots   = std::min(n_slots_, n_expert_);
     rule      = cfg.rule;
-    tau       = cfg.tau;
+    // the threshold of the tier the misses come from: the model file (host=file) or memory
+    tau       = cfg.host_file && cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau;
     evict     = cfg.evict;
     admit     = cfg.admit;
     beta      = cfg.beta;

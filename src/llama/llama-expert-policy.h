@@ -68,6 +68,9 @@ struct llama_expert_cache_config {
 
     llama_expert_miss_rule rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
     float                  tau   = 0.15f;
+    // rule=threshold with host=file: the threshold for misses read from the model file (a read costs ~10-20x a
+    // copy from RAM); below 0: tau
+    float                  tau_file = -1.0f;
     llama_expert_evict     evict = LLAMA_EXPERT_EVICT_LRU;
     bool                   admit = false;
     float                  beta  = 0.5f;

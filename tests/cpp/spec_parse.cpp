@@ -45,7 +45,7 @@ int main(int argc, char ** argv) {
         const int n = atoi(argv[2]);
         std::mt19937 rng((uint32_t) strtoul(argv[3], nullptr, 10));
         const std::vector<std::string> keys = { "mode", "policy", "rule", "tau", "evict", "admit", "halve", "slots",
-            "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "profile", "profile_out", "stats",
+            "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "tau_file", "profile", "profile_out", "stats",
             "trace", "trace_top", "bogus", "", " ", "==" };
         const std::vector<std::string> vals = { "engine", "emulate", "off", "quality", "speed", "fetch-all", "threshold",
             "drop", "0.15", "-1", "1e9", "25%", "200%", "0", "16", "24G", "24GB", "1.5.3G", "lfu", "lru", "on", "auto",
