@@ -154,6 +154,9 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
                 engine->layers[il].stats_init = engine->layers[il].stats;
             }
         }
+        if (engine->failed()) {
+            throw std::runtime_error(engine->failure());
+        }
         engine->reset_stats();
     }
 
@@ -619,6 +622,22 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
         weights = ggml_mul(g.ctx0, weights, keep);
         g.cb(weights, "ffn_moe_weights_kept", il);
     }
+}
+
+void llama_expert_cache::chain_abort_callback(bool (*&cb)(void * data), void *& data) {
+    if (!engine || engine->files.empty()) {
+        return;
+    }
+    user_abort      = cb;
+    user_abort_data = data;
+    cb = [](void * p) {
+        const auto * cache = (const llama_expert_cache *) p;
+        if (cache->engine->failed()) {
+            return true; // the read's failure was logged where it happened
+        }
+        return cache->user_abort != nullptr && cache->user_abort(cache->user_abort_data);
+    };
+    data = this;
 }
 
 void llama_expert_cache::memory_breakdown_add(llama_memory_breakdown & ret) const {

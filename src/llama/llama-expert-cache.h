@@ -88,6 +88,12 @@ struct llama_expert_cache {
     // The hook in llama_context::memory_breakdown: the cache banks count as per-context memory, like the KV cache
     void memory_breakdown_add(llama_memory_breakdown & ret) const;
 
+    // The hook in llama_context::set_abort_callback (host=file): the backends get the cache's abort callback,
+    // which ends a compute once a read from the model file has failed (llama_decode returns 2: a clear error,
+    // not a crash and not a wrong answer) and otherwise asks the user's callback, kept here. cb and data are
+    // replaced; unchanged when the cache reads no file.
+    void chain_abort_callback(bool (*&cb)(void * data), void *& data);
+
     // back to the initial residency, clear statistics, restart the trace (called by llama_perf_context_reset,
     // so that a warmup run does not count)
     void reset();
@@ -140,6 +146,10 @@ struct llama_expert_cache {
 
     // router trace
     FILE *   trace       = nullptr;
+    // chain_abort_callback: the user's abort callback
+    bool (*user_abort)(void * data) = nullptr;
+    void * user_abort_data          = nullptr;
+
     uint32_t trace_top   = 0;
     uint32_t trace_rsize = 0;
 

@@ -106,13 +106,21 @@ static ssize_t read_full(int fd, char * dst, size_t size, uint64_t off) {
     return (ssize_t) done;
 }
 
-[[noreturn]] static void read_failed(ssize_t r, size_t size, const char * tensor_name, uint64_t off, const char * path) {
-    GGML_ABORT("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
-        "truncated or damaged after loading", r < 0 ? "read error" : "short read", size, tensor_name,
-        (unsigned long long) off, path, r < 0 ? ": " : "", r < 0 ? strerror((int) -r) : "");
+// a failed read: the file's first failure is logged and kept; false
+static bool read_failed(llama_expert_file & f, ssize_t r, size_t size, const char * tensor_name, uint64_t off) {
+    std::lock_guard<std::mutex> lock(f.error_mtx);
+    if (!f.failed.load()) {
+        f.error = format("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
+            "truncated or damaged after loading; every decode now fails (restore the file and load the model again)",
+            r < 0 ? "read error" : "short read", size, tensor_name, (unsigned long long) off, f.path.c_str(),
+            r < 0 ? ": " : "", r < 0 ? strerror((int) -r) : "");
+        LLAMA_LOG_ERROR("%s\n", f.error.c_str());
+        f.failed = true;
+    }
+    return false;
 }
 
-void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
+bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
                             const char * tensor_name) {
     const auto t0 = std::chrono::steady_clock::now();
     const bool host = ggml_backend_buffer_is_host(bank->buffer);
@@ -131,7 +139,7 @@ void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t 
                     f.path.c_str(), strerror((int) -r));
             }
         } else if (r < (ssize_t) (file_off + size - lo)) {
-            read_failed(r, size, tensor_name, file_off, f.path.c_str());
+            return read_failed(f, r, size, tensor_name, file_off);
         } else {
             src = buf + (file_off - lo);
         }
@@ -146,7 +154,7 @@ void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t 
         }
         const ssize_t r = read_full(f.fd, dst, size, file_off);
         if (r != (ssize_t) size) {
-            read_failed(r, size, tensor_name, file_off, f.path.c_str());
+            return read_failed(f, r, size, tensor_name, file_off);
         }
         posix_fadvise(f.fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
         src = host ? nullptr : dst;
@@ -162,6 +170,7 @@ void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t 
     f.bytes.fetch_add(size, std::memory_order_relaxed);
     f.ns.fetch_add((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
+    return true;
 }
 
 // host=file: open a model file for buffered reads and, unless direct=off, with O_DIRECT (refused on some file
@@ -418,7 +427,8 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, int32_t s, int32
             if (async) {
                 L.copier->read(mark, fg, b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src));
             } else {
-                llama_expert_read_file(b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src));
+                (void) llama_expert_read_file(b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride,
+                                              ggml_get_name(b.src)); // a failure marks the file
             }
         } else if (async) {
             L.copier->copy(mark, fg, b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
@@ -574,6 +584,25 @@ int32_t llama_expert_engine::slot_for(int32_t il, const llama_expert_layer_polic
     return slot;
 }
 
+bool llama_expert_engine::failed() const {
+    for (const auto & [path, f] : files) {
+        if (f->failed.load(std::memory_order_relaxed)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+std::string llama_expert_engine::failure() const {
+    for (const auto & [path, f] : files) {
+        if (f->failed.load()) {
+            std::lock_guard<std::mutex> lock(f->error_mtx);
+            return f->error;
+        }
+    }
+    return "";
+}
+
 void llama_expert_engine::reset_stats() {
     for (auto & L : layers) {
         L.stats = {};
@@ -714,7 +743,7 @@ struct copier_thread : llama_expert_copier {
                 std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
             }
             if (j.file != nullptr) {
-                llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name);
+                (void) llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name); // a failure marks the file
             } else {
                 ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
             }

@@ -63,13 +63,20 @@ struct llama_expert_file {
     std::atomic<uint64_t> bytes{0};
     std::atomic<uint64_t> ns{0};
     bool                  test_refuse_read = false; // tests: O_DIRECT reads fail with EINVAL
+
+    // a failed read (the file truncated or damaged after loading, a read error): the first one's message
+    std::atomic<bool>     failed{false};
+    std::mutex            error_mtx;
+    std::string           error;
 };
 
 // host=file: read size bytes at file_off of f into bank at offset (synchronously; with O_DIRECT the aligned span
 // around them into a buffer of the calling thread, else buffered reads whose pages are then dropped from the page
-// cache); aborts, naming the tensor and the file, on a short read or a read error (the model file was truncated
-// after loading: moving or replacing it is harmless, the engine holds its own descriptors)
-void llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
+// cache). On a short read or a read error (the model file was truncated or damaged after loading: moving or
+// replacing it is harmless, the engine holds its own descriptors) returns false, having logged one line naming the
+// read, the tensor and the file (the first failure of the file) and marked the file failed: the engine can no
+// longer serve that file's experts, and the cache then ends every compute (llama_decode returns 2)
+bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
                             const char * tensor_name);
 
 // Copies into the banks. copy() and read() issue one under a mark (one of n_marks); urgent ones (the ubatch's
@@ -84,7 +91,7 @@ struct llama_expert_copier {
     virtual void read(int32_t mark, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off,
                       size_t offset, size_t size, const char * tensor_name) {
         (void) mark; (void) urgent;
-        llama_expert_read_file(bank, f, file_off, offset, size, tensor_name);
+        (void) llama_expert_read_file(bank, f, file_off, offset, size, tensor_name); // a failure marks f
     }
     virtual void record(int32_t mark) = 0;
     virtual void wait(int32_t mark) = 0;
@@ -171,6 +178,11 @@ struct llama_expert_engine {
     int32_t slot_for(int32_t il, const llama_expert_layer_policy & policy, int32_t expert) const;
 
     void reset_stats();
+
+    // host=file: whether a read from a model file has failed (then every compute must end: the banks are not what
+    // the policy decided), and the first failure's message
+    bool        failed() const;
+    std::string failure() const;
 
     // whether any copier runs (background admissions are asynchronous copies)
     bool async() const { return !copiers.empty(); }
