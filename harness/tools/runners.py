@@ -273,6 +273,7 @@ class PerplexityRequest:
 class BenchRun:
     results: tuple[BenchResult, ...]
     output: RunOutput
+    cache_stats: CacheStats | None = None  # what the cache wrote at exit (its last context's), when asked for
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,11 @@ class ToolRunner:
             results = parse_bench_json(out.stdout)
         except ParseError as e:
             raise ParseError(e.what, out.text, source="llama-bench") from None
-        return BenchRun(tuple(results), out)
+        try:
+            stats = _read_cache_stats(req.cache)
+        except ParseError:
+            stats = None  # the speed figures stand without them
+        return BenchRun(tuple(results), out, stats)
 
     def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
         if (req.cache is not None or req.nll_dump is not None) and build.name != "patched":
