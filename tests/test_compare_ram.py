@@ -168,6 +168,13 @@ def test_a_run_without_a_peak_is_named(ram_setup: tuple[CompareOptions, ModelInf
     assert not res.budget.ok and "10 runs without a peak from the memory cgroup" in res.budget.message
 
 
+def test_peaks_at_the_limit_are_explained(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
+    opts, info, env = ram_setup
+    res = run_compare(opts, RamRunner(peak=LIMIT), info, env=env)
+    assert res.budget.ok and "10 of 10 runs peaked at the limit: there the kernel reclaimed page cache" in \
+        res.budget.message
+
+
 def test_the_cgroup_goes_on_ctrl_c(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
     opts, info, env = ram_setup
     res = run_compare(opts, RamRunner(interrupt_after=3), info, env=env)

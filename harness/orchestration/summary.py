@@ -65,6 +65,11 @@ def verify_ram(measured: Iterable[tuple[str, str, int | None, str]], limit_bytes
         parts.append(f"every run stayed inside the RAM limit of {limit_mib:.0f} MiB (memory cgroup, page cache "
                      f"counted; highest peak {top.peak_mib if top and top.peak_mib else 0.0:.0f} MiB"
                      + (f", {top.config}" if top else "") + (f"; {source}" if source else "") + ")")
+    at_limit = [c for c in checks if c.peak_mib is not None and c.peak_mib >= limit_mib - 1.0]
+    if at_limit:
+        parts.append(f"{len(at_limit)} of {len(checks)} runs peaked at the limit: there the kernel reclaimed page "
+                     "cache (the model file read through mmap, at load or in decode) to keep them inside it, so "
+                     "the limit was enforced, not that they need that much")
     return BudgetVerdict(limit_mib, True, checks, "; ".join(parts), memory="RAM")
 
 
