@@ -4,10 +4,11 @@
 (`host=file`), all under the same RAM limit. Results, not tests.
 
 How RAM is made scarce: a memory cgroup made for this benchmark alone, inside this process's own memory cgroup
-(v1 or v2), whose limit counts the page cache; each run is one process started inside it; the cgroup is removed at
-the end, also on Ctrl-C. The limit is refused when it exceeds MemAvailable minus a 2 GiB margin (a limit cannot
-starve the machine, but the runs inside it must not either). Before each run the model file's pages are dropped
-from the page cache (posix_fadvise DONTNEED; clean pages, no root needed), so that no run inherits another's cache.
+(v1 or v2), whose limit counts the page cache (harness.tools.cgroup, which `harness compare --ram` uses too); each
+run is one process started inside it; the cgroup is removed at the end, also on Ctrl-C. The limit is refused when
+it exceeds MemAvailable minus a 2 GiB margin (a limit cannot starve the machine, but the runs inside it must not
+either). Before each run the model file's pages are dropped from the page cache (posix_fadvise DONTNEED; clean
+pages, no root needed), so that no run inherits another's cache.
 
 Per run: decode tokens/s (llama-bench tg, mean and 95% CI over the rounds, interleaved), bytes read from storage
 per generated token (the process's read_bytes, load excluded, from a run of 1 token), and for the engine its floor:
@@ -37,71 +38,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from harness.core.errors import HarnessError  # noqa: E402
 from harness.core.project import get_build  # noqa: E402
 from harness.core.sizes import format_bytes, parse_size  # noqa: E402
 from harness.parsers.gguf_model import read_model_info  # noqa: E402
 from harness.stats.intervals import mean_ci, ratio_ci  # noqa: E402
-
-MARGIN = 2 << 30
+from harness.tools.cgroup import MemoryCgroup, check_ram_limit, mem_available  # noqa: E402
+from harness.tools.cgroup import drop_page_cache as drop_cache  # noqa: E402
 
 
 def engine(policy: str, slots: str) -> str:
     return f"mode=engine,policy={policy},slots={slots},host=file"
-
-
-class Cgroup:
-    """A memory cgroup of our own, below this process's memory cgroup; removed by close()."""
-
-    def __init__(self, limit: int) -> None:
-        self.path: Path | None = None
-        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
-        own = Path("/proc/self/cgroup").read_text().splitlines()
-        name = f"moe-subst-bench-{os.getpid()}"
-        if v2.exists() and "memory" in v2.read_text():
-            rel = next(line.split(":", 2)[2] for line in own if line.startswith("0::"))
-            self.path, self.limit_file = Path("/sys/fs/cgroup") / rel.lstrip("/") / name, "memory.max"
-        else:
-            rel = next((line.split(":", 2)[2] for line in own if line.split(":")[1] == "memory"), "/")
-            self.path, self.limit_file = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / name, "memory.limit_in_bytes"
-        self.path.mkdir()
-        (self.path / self.limit_file).write_text(str(limit))
-
-    def run(self, args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
-        """Run args inside the cgroup: (returncode, stdout, stderr)."""
-        assert self.path is not None
-        procs = str(self.path / "cgroup.procs")
-
-        def enter() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=enter)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            err += f"\nbench_tiers: killed after {timeout:.0f} s"
-        return p.returncode, out, err
-
-    def close(self) -> None:
-        if self.path is not None and self.path.exists():
-            for _ in range(50):
-                try:
-                    self.path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-        self.path = None
-
-
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def disk_bandwidth(path: Path, chunk: int, n: int = 200, seed: int = 0) -> tuple[float, float]:
@@ -137,7 +84,7 @@ def io_read_bytes_of_children() -> int:
     return int(resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock) * 512
 
 
-def bench(cg: Cgroup | None, bin_dir: Path, model: Path, spec: str | None, n_gen: int, threads: int,
+def bench(cg: MemoryCgroup | None, bin_dir: Path, model: Path, spec: str | None, n_gen: int, threads: int,
           stats: Path | None) -> tuple[list[float], int, str]:
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
     if spec:
@@ -181,11 +128,10 @@ def main() -> int:
                         "--ff", "512", "--heads", "16", "--kv-heads", "2", "--dtype", "q4_0"], check=True, cwd=ROOT)
     info = read_model_info(model)
     limit = parse_size(a.ram, allow_percent=False).bytes or 0
-    avail = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                 if line.startswith("MemAvailable:"))
-    if limit > avail - MARGIN:
-        sys.exit(f"bench_tiers: --ram {a.ram} is more than MemAvailable ({format_bytes(avail)}) less a "
-                 f"{format_bytes(MARGIN)} margin")
+    try:
+        check_ram_limit(limit, mem_available())
+    except HarnessError as e:
+        sys.exit(f"bench_tiers: {e}")
     file_bytes = model.stat().st_size
     print(f"bench_tiers: model {model.name}: {format_bytes(file_bytes)} ({file_bytes / limit:.2f}x the RAM limit "
           f"{format_bytes(limit)}), {info.n_moe_layers} MoE layers x {info.n_expert} experts, top-{info.n_expert_used}",
@@ -219,7 +165,10 @@ def main() -> int:
     reads: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     stats_doc: dict[str, dict] = {}  # type: ignore[type-arg]
     errors: dict[str, str] = {}
-    cg = Cgroup(limit)
+    try:
+        cg = MemoryCgroup(limit, "moe-subst-bench")
+    except HarnessError as e:
+        sys.exit(f"bench_tiers: {e}")
 
     def stop(signum: int, frame: object) -> None:
         cg.close()

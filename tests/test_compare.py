@@ -161,7 +161,7 @@ def test_results_records_and_summary(setup: tuple[CompareOptions, ModelInfo, Fak
     tg = {r.config: r for r in res.speed if r.test == "tg128"}
     assert tg["stock"].tokens_per_s.n == 3
     assert tg["quality"].vs_stock is not None and tg["quality"].vs_stock.ratio == pytest.approx(2.5, rel=0.03)
-    assert not res.budget.has_gpu and "no GPU" in res.budget.message
+    assert not res.budget.measurable and "no GPU" in res.budget.message
     assert any("CPU build" in n for n in res.notes)
 
 

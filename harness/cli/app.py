@@ -86,12 +86,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         out=args.out or options.out_dir(args, f"compare-{(args.model or compare.default_model()).stem}"),
         model=args.model,
         vram=sizes.parse_size(args.vram) if args.vram else None,
+        ram=sizes.parse_size(args.ram, allow_percent=False) if args.ram else None,
         policies=options.words(args.policies), dataset=args.dataset, runs=args.runs,
         n_prompt=args.n_prompt, n_gen=args.n_gen,
         reserve_bytes=(sizes.parse_size(args.reserve, allow_percent=False).bytes or 0) if args.reserve else 0,
         speed=not args.no_speed, quality=not args.no_quality, bench_cache_mode=args.speed_mode, seed=args.seed,
         argv=tuple(sys.argv), **options.perplexity_settings(args))
-    result = _with_progress("compare", lambda progress: compare.compare(opts, progress))
+    def announce(lines: Sequence[str]) -> None:
+        err_console.print("\n".join(lines), highlight=False, soft_wrap=True, markup=False)
+
+    result = _with_progress("compare", lambda progress: compare.compare(opts, progress, announce=announce))
     console.print(terminal.render_compare(result))
     if result.interrupted:
         return 130
@@ -102,6 +106,11 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c = sub.add_parser("compare", help="stock llama.cpp against the patched build's expert cache under one budget")
     c.add_argument("--vram", metavar="SIZE", help="device budget: 24G, 512M, or 25%% (= non-expert weights + 25%% "
                    "of the experts); default: the budget that keeps about 25%% of the experts resident")
+    c.add_argument("--ram", metavar="SIZE", help="RAM limit instead of a device budget, for a model bigger than RAM: "
+                   "8G, 1600M (absolute). Every run is made inside a memory cgroup of SIZE (page cache counted; "
+                   "needs a writable memory cgroup, v1 or v2; at most MemAvailable less 2 GiB): stock llama.cpp "
+                   "with mmap and --repack 0, the patched build with mode=engine,host=file,ram=SIZE (missed experts "
+                   "read from the model file); reports each run's peak next to the limit. Not with --vram")
     options.add_model(c)
     options.add_policies(c)
     options.add_text(c, "text for perplexity (default: eval/data/heldout.txt)")
@@ -114,7 +123,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c.add_argument("--n-prompt", type=int, default=512, help="llama-bench prompt tokens (default: %(default)s)")
     c.add_argument("--n-gen", type=int, default=128, help="llama-bench generated tokens (default: %(default)s)")
     options.add_threads(c)
-    c.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for KV cache and compute buffers")
+    c.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for KV cache and compute buffers "
+                   "(with --ram: the engine's vram_reserve for the compute buffers, default 256M)")
     c.add_argument("--speed-mode", default="engine", help="cache mode for speed runs (default: %(default)s)")
     c.add_argument("--no-speed", action="store_true", help="skip the llama-bench runs")
     c.add_argument("--no-quality", action="store_true", help="skip the perplexity runs")

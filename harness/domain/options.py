@@ -21,12 +21,13 @@ class CompareOptions(PerplexitySettings):
     out: Path
     model: Path | None = None  # None: the project's trained model (default_model)
     vram: Size | None = None  # None: the budget that keeps DEFAULT_RESIDENCY of the experts resident
+    ram: Size | None = None  # a RAM limit (bytes): every run inside a memory cgroup of it, the engine with host=file
     policies: tuple[str, ...] = DEFAULT_POLICIES
     dataset: str | None = None  # a named dataset instead of --text (only from a local file)
     runs: int = 5
     n_prompt: int = 512
     n_gen: int = 128
-    reserve_bytes: int = 0  # device memory kept for KV cache and compute buffers
+    reserve_bytes: int = 0  # device memory kept for KV cache and compute buffers (--ram: vram_reserve, 0: 256 MiB)
     speed: bool = True
     quality: bool = True
     bench_cache_mode: str = "engine"

@@ -1,5 +1,6 @@
-"""Plans: how many expert slots per MoE layer fit in a device budget next to the non-expert weights, where
-`harness compare` puts the weights, the points of a sweep, and the runs of a command."""
+"""Plans: how many expert slots per MoE layer fit in a device budget next to the non-expert weights (or in a RAM
+limit, `compare --ram`), where `harness compare` puts the weights, the points of a sweep, and the runs of a
+command."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class SlotPlan:
 # formula of the project: harness info, compare, sweep and study plan with it, and tests/test_budget.py runs the
 # engine with vram= and checks that this formula, given the engine's own inputs, gives its slots and its minimum.
 BANK_PADDING = 512  # bytes of alignment padding counted per cache bank (one bank per routed-expert tensor and layer)
+ENGINE_RESERVE = 256 * 2**20  # the engine's default vram_reserve (docs/expert-cache-engine.md)
+KV_CELL_PAD = 256  # llama.cpp pads the KV cache's cells to a multiple of this
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class BudgetTerms:
     n_banks: int  # routed-expert tensors over all MoE layers
     n_expert: int
     k: int
+    where: str = "on the device"  # where the budget is: "in RAM" for ram= (compare --ram)
 
     @property
     def fixed(self) -> int:
@@ -65,7 +69,7 @@ class BudgetTerms:
         """Slots per MoE layer in `vram` bytes; HarnessError naming the minimum when fewer than k fit."""
         if self.per_slot <= 0 or vram < self.minimum:
             raise HarnessError(
-                f"a budget of {format_bytes(vram)} is too small for this model: its weights on the device take "
+                f"a budget of {format_bytes(vram)} is too small for this model: its weights {self.where} take "
                 f"{format_bytes(self.weights)}"
                 + (f", the context {format_bytes(self.context)}" if self.context else "")
                 + (f", the reserve {format_bytes(self.reserve)}" if self.reserve else "")
@@ -80,6 +84,42 @@ def budget_terms(info: ModelInfo, reserve: int = 0, context: int = 0) -> BudgetT
     return BudgetTerms(weights=info.non_expert_bytes, context=context, reserve=reserve,
                        per_slot=info.bytes_per_expert * info.n_moe_layers,
                        n_banks=len(info.expert_tensors), n_expert=info.n_expert, k=info.n_expert_used)
+
+
+def ram_budget_terms(info: ModelInfo, reserve: int, context: int) -> BudgetTerms:
+    """The terms of the engine's `ram=` budget (host=file): every non-expert weight and the context in RAM, the
+    routed experts in the file; the same formula as `vram=`."""
+    return BudgetTerms(weights=info.non_expert_bytes, context=context, reserve=reserve,
+                       per_slot=info.bytes_per_expert * info.n_moe_layers, n_banks=len(info.expert_tensors),
+                       n_expert=info.n_expert, k=info.n_expert_used, where="in RAM (the routed experts excepted)")
+
+
+def kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
+    """The KV cache of a context of `n_ctx` tokens (f16, cells padded as llama.cpp pads them): an estimate from
+    the GGUF metadata; the engine measures its own."""
+    cells = -(-max(n_ctx, 1) // KV_CELL_PAD) * KV_CELL_PAD
+    return cells * info.kv_bytes_per_cell
+
+
+@dataclass(frozen=True)
+class RamPlan:
+    """`harness compare --ram`: the limit of the memory cgroup every run is made inside, and the engine's ram=
+    budget in it (`terms`, with the context estimated for `n_ctx` tokens)."""
+
+    limit: int
+    terms: BudgetTerms
+    n_ctx: int
+    slots_per_layer: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.slots_per_layer * self.terms.per_slot
+
+
+def plan_ram(info: ModelInfo, limit: int, reserve: int, n_ctx: int) -> RamPlan:
+    """The slots per layer of `ram=limit` (HarnessError naming the minimum when fewer than k fit)."""
+    terms = ram_budget_terms(info, reserve, kv_cache_bytes(info, n_ctx))
+    return RamPlan(limit, terms, n_ctx, int(terms.slots(limit)))
 
 
 def budget_bytes(info: ModelInfo, vram: Size, reserve: int = 0) -> int:
@@ -116,6 +156,7 @@ class ComparePlan:
     host_expert_bytes_stock: int
     host_expert_bytes_patched: int
     notes: tuple[str, ...]
+    ram: RamPlan | None = None  # compare --ram: every run inside one memory cgroup
 
     @property
     def fits_whole_model(self) -> bool:

@@ -26,9 +26,10 @@ class BudgetCheck:
 @dataclass(frozen=True)
 class BudgetVerdict:
     budget_mib: float
-    has_gpu: bool
+    measurable: bool  # device: a GPU to measure on; RAM (compare --ram): the memory cgroup measures every run
     checks: tuple[BudgetCheck, ...]
     message: str
+    memory: str = "device"  # "device" (--vram) or "RAM" (--ram: peak_mib is the memory cgroup's peak)
 
     @property
     def over(self) -> tuple[BudgetCheck, ...]:
@@ -36,7 +37,7 @@ class BudgetVerdict:
 
     @property
     def ok(self) -> bool:
-        return self.has_gpu and not self.over and all(c.peak_mib is not None for c in self.checks)
+        return self.measurable and not self.over and all(c.peak_mib is not None for c in self.checks)
 
 
 @dataclass(frozen=True)

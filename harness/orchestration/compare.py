@@ -4,6 +4,10 @@ Plans the runs from GGUF metadata (harness.orchestration.planner), runs them thr
 (harness.orchestration.executor: interleaved, resumable), summarises them (harness.orchestration.summary:
 paired delta-PPL% of each policy against the full model from per-token NLL dumps, with a block-bootstrap CI
 over chunks; tokens/s with CIs; the budget verdict) and writes report.md (harness.report.markdown).
+
+`--ram SIZE` instead of a device budget: every run inside one memory cgroup of SIZE (harness.tools.cgroup, page
+cache counted), stock with mmap and --repack 0, the patched build's engine reading missed experts from the model
+file (host=file, ram=SIZE); the verdict is each run's peak in the cgroup against the limit.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from harness.domain.options import CompareOptions
 from harness.domain.plan import ComparePlan
 from harness.domain.results import CompareResult, EstimateRow
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress
-from harness.orchestration.planner import model_of, plan_compare, plan_runs
+from harness.orchestration.planner import model_of, plan_compare, plan_compare_ram, plan_runs, ram_context
 from harness.orchestration.serialise import (
     COMPARE_OPTION_KEYS,
     compare_fingerprint,
@@ -27,38 +31,81 @@ from harness.orchestration.serialise import (
     options_json,
     read_meta,
 )
-from harness.orchestration.summary import estimate_speeds, load_nlls, summarize_quality, summarize_speed, verify_budget
+from harness.orchestration.summary import (
+    engine_slot_warnings,
+    estimate_speeds,
+    load_nlls,
+    summarize_quality,
+    summarize_speed,
+    verify_budget,
+    verify_ram,
+)
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
+from harness.report.tables import plan_lines
+from harness.tools.cgroup import check_ram_limit
 from harness.tools.runners import Runner
 
+Announce = Callable[[Sequence[str]], None]  # receives the plan's lines before the first run
 NO_GPU_NOTE = "no GPU found: the CPU build runs; speed figures are labelled 'CPU build'"
 
 
+def check_ram_options(opts: CompareOptions, available: int) -> int:
+    """The --ram limit in bytes, after the checks of the options that go with it (one line each)."""
+    assert opts.ram is not None
+    if opts.vram is not None:
+        raise HarnessError("pass either --vram (a device budget) or --ram (a RAM limit for the whole process), "
+                           "not both")
+    if opts.ram.bytes is None:
+        raise HarnessError(f"--ram must be an absolute size (like 8G or 1600M), not {opts.ram}")
+    if opts.speed and opts.bench_cache_mode != "engine":
+        raise HarnessError(f"--ram runs the patched build with mode=engine,host=file: --speed-mode "
+                           f"{opts.bench_cache_mode} cannot read experts from the file")
+    check_ram_limit(opts.ram.bytes, available)
+    return opts.ram.bytes
+
+
+def plan_of(opts: CompareOptions, info: ModelInfo, host_available_bytes: int | None = None) -> ComparePlan:
+    """The plan of a comparison: under --ram (plan_compare_ram) or a device budget (plan_compare)."""
+    if opts.ram is not None and opts.ram.bytes is not None:
+        return plan_compare_ram(info, opts.ram.bytes, reserve_bytes=opts.reserve_bytes, n_ctx=ram_context(opts),
+                                quality=opts.quality)
+    return plan_compare(info, opts.vram, reserve_bytes=opts.reserve_bytes, host_available_bytes=host_available_bytes)
+
+
 def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: Environment | None = None,
-                progress: Progress = no_progress) -> CompareResult:
+                progress: Progress = no_progress, announce: Announce | None = None) -> CompareResult:
     """Plan, run what is not recorded yet, summarise. Ctrl-C stops after the records that finished are
-    written; the result then has `interrupted=True` and summarises what there is."""
+    written; the result then has `interrupted=True` and summarises what there is. `announce` gets the plan's
+    lines before the first run. With --ram every run is made inside one memory cgroup of that limit, removed
+    at the end (also on Ctrl-C)."""
     env = env or Environment()
     check_policies(opts.policies)
     if opts.runs < 1:
         raise HarnessError("--runs must be at least 1")
     if opts.quality and opts.text is not None and not opts.text.is_file():
         raise HarnessError(f"cannot read the text {opts.text}: no such file")
+    limit = check_ram_options(opts, env.host_available_bytes()) if opts.ram is not None else None
     builds = env.builds()
     gpu = env.gpu()
     backend = ",".join(sorted({b.backend for b in builds.values()}))
-    plan = plan_compare(info, opts.vram, reserve_bytes=opts.reserve_bytes,
-                        host_available_bytes=env.host_available_bytes())
+    plan = plan_of(opts, info, env.host_available_bytes())
     prov = env.provenance(builds, opts.argv, gpu)
     fp = compare_fingerprint(opts, plan, dict(prov.binaries))
     notes = list(plan.notes)
-    if gpu == "none":
+    if gpu == "none" and plan.ram is None:
         notes.append(NO_GPU_NOTE)
+    if announce is not None:
+        announce([*plan_lines(plan), *notes])
 
     results = ResultsFile(opts.out / "results.jsonl")
-    outcome = execute_runs(plan_runs(opts, plan), runner, builds, prov, fp, results, progress,
-                           meta={"command": "compare", "options": options_json(opts, COMPARE_OPTION_KEYS)})
+    meta = {"command": "compare", "options": options_json(opts, COMPARE_OPTION_KEYS)}
+    if limit is not None:
+        with env.memory_cgroup(limit) as cgroup:
+            outcome = execute_runs(plan_runs(opts, plan, cgroup), runner, builds, prov, fp, results, progress,
+                                   meta=meta)
+    else:
+        outcome = execute_runs(plan_runs(opts, plan), runner, builds, prov, fp, results, progress, meta=meta)
     notes.extend(outcome.notes)
     n_run, n_resumed, interrupted = outcome.n_run, outcome.n_resumed, outcome.interrupted
 
@@ -77,14 +124,19 @@ def summarize_compare(opts: CompareOptions, plan: ComparePlan, results: ResultsF
     quality, qwarn = summarize_quality(records, nll, opts.policies, n_boot=opts.n_boot, seed=opts.seed)
     warnings.extend(qwarn)
     speed = summarize_speed(records, [STOCK, *opts.policies], n_boot=opts.n_boot, seed=opts.seed)
-    budget = verify_budget(((r["key"], r["config"], r.get("peak_device_mib"), r.get("peak_source", ""))
-                            for r in records),
-                           plan.budget_bytes, gpu != "none")
+    if plan.ram is not None:
+        budget = verify_ram(((r["key"], r["config"], r.get("peak_ram_bytes"), r.get("peak_ram_source", ""))
+                             for r in records), plan.ram.limit)
+        warnings.extend(engine_slot_warnings(records, plan.ram.slots_per_layer))
+    else:
+        budget = verify_budget(((r["key"], r["config"], r.get("peak_device_mib"), r.get("peak_source", ""))
+                                for r in records),
+                               plan.budget_bytes, gpu != "none")
     if interrupted:
         warnings.append(f"interrupted: {n_run} new runs recorded in {results.path}; run the same command again "
                         "to resume")
     estimates: tuple[EstimateRow, ...] = ()
-    if gpu == "none" and opts.profile:
+    if gpu == "none" and opts.profile and plan.ram is None:
         estimates = estimate_speeds(plan, quality, opts.profile)
     return CompareResult(plan, opts, gpu, backend, tuple(notes), speed, quality, budget, results.path,
                          n_run, n_resumed, interrupted, tuple(warnings), estimates,
@@ -101,11 +153,11 @@ def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
     meta = read_meta(results, "compare")
     opts = compare_options_from_json(meta["options"], out, model)
     info = read_model_info(model_of(opts))
-    plan = plan_compare(info, opts.vram, reserve_bytes=opts.reserve_bytes)
+    plan = plan_of(opts, info)
     prov = meta["provenance"]
     gpu = str(prov.get("gpu", "none"))
     notes = list(plan.notes)
-    if gpu == "none":
+    if gpu == "none" and plan.ram is None:
         notes.append(NO_GPU_NOTE)
     runs = [r for r in results.read() if r.get("kind") == "bench"]
     if opts.speed and runs and not any(r.get("build") == "patched" for r in runs):
@@ -146,7 +198,7 @@ def resolve_text(text: Path | None, dataset: str | None, root: Path | None = Non
 
 
 def compare(opts: CompareOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
-            env: Environment | None = None) -> CompareResult:
+            env: Environment | None = None, announce: Announce | None = None) -> CompareResult:
     """`harness compare`: read the model, run (or resume) the comparison, write report.md next to
     results.jsonl. `opts.model` and `opts.text` may be None for the defaults."""
     from dataclasses import replace
@@ -160,7 +212,7 @@ def compare(opts: CompareOptions, progress: Progress = no_progress, *, runner: R
     text = resolve_text(opts.text, opts.dataset) if opts.quality else None
     opts = replace(opts, model=model, text=text)
     info = read_model_info(model)
-    result = run_compare(opts, runner or ToolRunner(), info, env=env, progress=progress)
+    result = run_compare(opts, runner or ToolRunner(), info, env=env, progress=progress, announce=announce)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "report.md").write_text(render_compare_markdown(result))
     return result

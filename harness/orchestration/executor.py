@@ -18,6 +18,7 @@ from harness.core.errors import HarnessError
 from harness.core.records import Provenance, ResultsFile, make_record, utc_now
 from harness.domain.plan import RunSpec
 from harness.orchestration.serialise import bench_record, ppl_record
+from harness.tools.cgroup import MemoryCgroup
 from harness.tools.runners import Runner, ToolCrashedError
 
 Progress = Callable[[int, int, str], None]  # (done, total, label of the run that starts or was skipped)
@@ -54,6 +55,11 @@ class Environment:
 
     def read_bytes(self, path: Path) -> bytes:
         return path.read_bytes()
+
+    def memory_cgroup(self, limit: int) -> MemoryCgroup:
+        """compare --ram: a memory cgroup of `limit` bytes for the runs (CgroupError, one line, where none can be
+        made); the caller removes it (`with`)."""
+        return MemoryCgroup(limit, "moe-subst-compare")
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,18 @@ def execute_runs(specs: Sequence[RunSpec], runner: Runner, builds: dict[str, pro
             data["fingerprint"] = fp
             results.append(make_record(spec.key, spec.kind, prov, data, started=started))
             n_run += 1
-            progress(i + 1, total, spec.key)
+            progress(i + 1, total, spec.key + _peak_label(data))
     except KeyboardInterrupt:
         interrupted = True
     return ExecOutcome(n_run, n_resumed, interrupted, tuple(notes))
+
+
+def _peak_label(data: dict[str, Any]) -> str:
+    """compare --ram: ' (peak X MiB of the Y MiB limit)' after a run made in a memory cgroup."""
+    peak, limit = data.get("peak_ram_bytes"), data.get("ram_limit_bytes")
+    if limit is None:
+        return ""
+    return f" (peak {peak / 2**20:.0f} MiB of the {limit / 2**20:.0f} MiB limit)" if peak is not None else ""
 
 
 def _fresh(path: Path | None) -> None:

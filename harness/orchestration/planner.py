@@ -7,6 +7,12 @@ Runs (keys are the resume keys):
 - speed: `bench:<config>:<rep>` for rep in 0..runs-1, config in stock and every policy (engine mode);
   each repetition runs every config once, in an order that alternates between repetitions (ABBA), so
   slow drift of the machine affects all configurations alike.
+
+With `--ram SIZE` (plan_compare_ram) every run is made inside one memory cgroup of that limit (page cache counted):
+stock runs with mmap and `--repack 0` (its experts paged in from the file), the patched speed runs with
+`mode=engine,host=file,ram=SIZE,vram_reserve=R` (the engine sizes its banks by the ram= formula and reads missed
+experts from the file), both on the CPU; the quality runs are the same as without --ram, inside the same limit
+(with `--no-repack`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from harness.core.sizes import Size, format_bytes
 from harness.domain.catalogue import FULL, STOCK, policy_cache_spec
 from harness.domain.costmodel import stock_gpu_moe_layers
 from harness.domain.options import CompareOptions
-from harness.domain.plan import ComparePlan, RunSpec, budget_bytes, plan_slots
+from harness.domain.plan import ENGINE_RESERVE, ComparePlan, RunSpec, SlotPlan, budget_bytes, plan_ram, plan_slots
 from harness.orchestration.executor import safe_name
 from harness.parsers.gguf_model import ModelInfo
+from harness.tools.cgroup import MemoryCgroup
 from harness.tools.runners import BenchRequest, CacheSpec, PerplexityRequest, Placement
 
 DEFAULT_RESIDENCY = Size(fraction=0.25)
@@ -72,22 +79,75 @@ def plan_compare(info: ModelInfo, vram: Size | None, *, reserve_bytes: int = 0,
     return ComparePlan(info, budget, slots, gpu_layers, stock, patched, host_stock, host_patched, tuple(notes))
 
 
+CPU_ONLY = Placement(n_gpu_layers=0, n_cpu_moe=0)
+RAM_QUALITY_NOTE = ("--ram: the quality runs (llama-perplexity, batched prompts, emulate mode) read every expert "
+                    "through mmap inside the same limit: with a model bigger than the limit they are slow (they "
+                    "measure the disk); --no-quality skips them")
+
+
+def ram_context(opts: CompareOptions) -> int:
+    """The context the --ram plan estimates the KV cache for: the largest llama-bench test (each test is its own
+    context of n_prompt or n_gen tokens), or the perplexity context without speed runs."""
+    return max(opts.n_prompt, opts.n_gen) if opts.speed else opts.n_ctx
+
+
+def plan_compare_ram(info: ModelInfo, limit: int, *, reserve_bytes: int = 0, n_ctx: int = 512,
+                     quality: bool = True) -> ComparePlan:
+    """Stock and patched on the CPU inside a memory cgroup of `limit` bytes: stock's experts through mmap, the
+    engine's banks sized by its ram= formula (non-expert weights + context + reserve + slots), the rest in the
+    file. `reserve_bytes` 0 means the engine's default vram_reserve."""
+    reserve = reserve_bytes or ENGINE_RESERVE
+    ram = plan_ram(info, limit, reserve, n_ctx)
+    slots = SlotPlan(limit, reserve, info.non_expert_bytes, info.bytes_per_expert, info.n_moe_layers, info.n_expert,
+                     ram.slots_per_layer)
+    notes: list[str] = []
+    if info.file_bytes + ram.terms.context + reserve <= limit:
+        notes.append(f"the limit ({format_bytes(limit)}) holds the whole model file ({format_bytes(info.file_bytes)}) "
+                     "with its context and reserve: stock need not page experts in; give a smaller --ram to compare "
+                     "a model bigger than RAM")
+    if quality:
+        notes.append(RAM_QUALITY_NOTE)
+    return ComparePlan(info, limit, slots, 0, CPU_ONLY, CPU_ONLY, info.expert_bytes, 0, tuple(notes), ram)
+
+
+def ram_cache_spec(policy: str, plan: ComparePlan, stats: str) -> CacheSpec:
+    """A patched speed run of `policy` under --ram: the engine reads misses from the file, sized by ram=."""
+    assert plan.ram is not None
+    spec = policy_cache_spec(policy, "engine", plan.slots.slots_per_layer, stats)
+    extra = (*spec.extra, ("host", "file"), ("ram", spec_size(plan.ram.limit)),
+             ("vram_reserve", spec_size(plan.ram.terms.reserve)))
+    return CacheSpec("engine", spec.policy, None, stats, extra)
+
+
+def spec_size(n: int) -> str:
+    """A size as the cache spec takes it: whole MiB as 512M, else bytes."""
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else str(n)
+
+
 def model_of(opts: CompareOptions) -> Path:
     if opts.model is None:
         raise HarnessError("no model given")  # compare() fills in the default; run_compare needs one
     return opts.model
 
 
-def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
-    """The run matrix, in execution order: quality runs first, then interleaved speed repetitions."""
+def plan_runs(opts: CompareOptions, plan: ComparePlan, cgroup: MemoryCgroup | None = None) -> list[RunSpec]:
+    """The run matrix, in execution order: quality runs first, then interleaved speed repetitions. With --ram
+    (plan.ram) every run is made inside `cgroup`."""
+    from dataclasses import replace
+
     runs: list[RunSpec] = []
     slots = plan.slots.slots_per_layer
     model = model_of(opts)
+    if plan.ram is not None and cgroup is None:
+        raise HarnessError("a --ram plan needs its memory cgroup")
+    ppl_extra = ("--no-repack",) if plan.ram is not None else ()
+    bench_extra = ("--repack", "0") if plan.ram is not None else ()
     if opts.quality and opts.text is not None:
         def ppl(config: str, placement: Placement, cache: CacheSpec | None, dump: bool) -> PerplexityRequest:
-            return opts.perplexity_request(model, opts.text or Path(), placement, cache=cache,
-                                           nll_dump=opts.out / "nll" / f"{safe_name(config)}.bin" if dump else None,
-                                           label=config)
+            req = opts.perplexity_request(model, opts.text or Path(), placement, cache=cache,
+                                          nll_dump=opts.out / "nll" / f"{safe_name(config)}.bin" if dump else None,
+                                          label=config)
+            return replace(req, extra_args=req.extra_args + ppl_extra, cgroup=cgroup)
 
         runs.append(RunSpec("ppl:full", "ppl", "patched", FULL, None,
                             ppl=ppl(FULL, plan.patched, CacheSpec("off"), True)))
@@ -102,12 +162,14 @@ def plan_runs(opts: CompareOptions, plan: ComparePlan) -> list[RunSpec]:
             order = configs if rep % 2 == 0 else list(reversed(configs))
             for config in order:
                 if config == STOCK:
-                    req = BenchRequest(model, plan.stock, opts.n_prompt, opts.n_gen, 1, opts.threads, label=STOCK)
+                    req = BenchRequest(model, plan.stock, opts.n_prompt, opts.n_gen, 1, opts.threads, label=STOCK,
+                                       extra_args=bench_extra, cgroup=cgroup)
                     runs.append(RunSpec(f"bench:stock:{rep}", "bench", "stock", STOCK, rep, bench=req))
                 else:
                     stats = str(opts.out / "stats" / f"bench-{safe_name(config)}-{rep}.json")
-                    cache = policy_cache_spec(config, opts.bench_cache_mode, slots, stats)
+                    cache = (ram_cache_spec(config, plan, stats) if plan.ram is not None
+                             else policy_cache_spec(config, opts.bench_cache_mode, slots, stats))
                     req = BenchRequest(model, plan.patched, opts.n_prompt, opts.n_gen, 1, opts.threads, cache,
-                                       label=config)
+                                       label=config, extra_args=bench_extra, cgroup=cgroup)
                     runs.append(RunSpec(f"bench:{config}:{rep}", "bench", "patched", config, rep, bench=req))
     return runs

@@ -22,7 +22,7 @@ from harness.domain.plan import ComparePlan, RunSpec
 # the meta record's options, per command, in the order of the files written so far
 COMPARE_OPTION_KEYS = ("out", "model", "vram", "policies", "text", "dataset", "runs", "n_ctx", "n_batch", "chunks",
                        "n_prompt", "n_gen", "threads", "reserve_bytes", "speed", "quality", "bench_cache_mode",
-                       "n_boot", "seed", "profile", "argv")
+                       "n_boot", "seed", "profile", "argv", "ram")
 SWEEP_OPTION_KEYS = ("out", "model", "text", "grid", "n_ctx", "chunks", "threads", "n_boot", "seed", "profile",
                      "argv")
 SWEEP_GRID_KEYS = ("rules", "taus", "admits", "evicts", "fractions")
@@ -65,7 +65,28 @@ def ppl_record(spec: RunSpec, run: Any) -> dict[str, Any]:
     if run.output.peak_gpu_mib is not None and (data["peak_device_mib"] is None
                                                 or run.output.peak_gpu_mib > data["peak_device_mib"]):
         data["peak_device_mib"], data["peak_source"] = run.output.peak_gpu_mib, "nvidia-smi"
+    data.update(_ram_fields(run.output))
     return data
+
+
+def _ram_fields(output: Any) -> dict[str, Any]:
+    """compare --ram: the run's peak in its memory cgroup and the limit (absent without a cgroup)."""
+    if getattr(output, "ram_limit_bytes", None) is None:
+        return {}
+    return {"peak_ram_bytes": output.peak_ram_bytes, "ram_limit_bytes": output.ram_limit_bytes,
+            "peak_ram_source": output.peak_ram_source}
+
+
+def _engine_slots(run: Any) -> dict[str, Any]:
+    """The slots per layer the engine used (its statistics' config), for a run with a cache."""
+    stats = getattr(run, "cache_stats", None)
+    if stats is None or not stats.raw:
+        return {}
+    try:
+        slots = json.loads(stats.raw).get("config", {}).get("slots")
+    except (ValueError, AttributeError):
+        return {}
+    return {"engine_slots": int(slots)} if isinstance(slots, int) else {}
 
 
 def bench_record(spec: RunSpec, run: Any) -> dict[str, Any]:
@@ -79,6 +100,7 @@ def bench_record(spec: RunSpec, run: Any) -> dict[str, Any]:
                    "build_commit": t.build_commit} for t in run.results],
         "peak_device_mib": run.output.peak_gpu_mib,
         "peak_source": "nvidia-smi" if run.output.peak_gpu_mib is not None else "",
+        **_ram_fields(run.output), **_engine_slots(run),
     }
 
 
@@ -103,7 +125,7 @@ def compare_options_from_json(o: dict[str, Any], out: Path, model: Path | None =
         n_batch=o.get("n_batch"), chunks=o.get("chunks"), n_prompt=int(o["n_prompt"]), n_gen=int(o["n_gen"]),
         threads=o.get("threads"), reserve_bytes=int(o["reserve_bytes"]), speed=bool(o["speed"]),
         quality=bool(o["quality"]), bench_cache_mode=str(o["bench_cache_mode"]), n_boot=int(o["n_boot"]),
-        seed=int(o["seed"]), profile=o.get("profile"), argv=tuple(o.get("argv", ())))
+        seed=int(o["seed"]), profile=o.get("profile"), argv=tuple(o.get("argv", ())), ram=size_from_json(o.get("ram")))
 
 
 def sweep_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
@@ -137,6 +159,8 @@ def compare_fingerprint(opts: CompareOptions, plan: ComparePlan, binaries: dict[
         "chunks": opts.chunks, "n_prompt": opts.n_prompt, "n_gen": opts.n_gen, "threads": opts.threads,
         "bench_cache_mode": opts.bench_cache_mode, "binaries": binaries,
     }
+    if plan.ram is not None:  # only then: the fingerprints of earlier results stay what they were
+        d["ram"] = [plan.ram.limit, plan.ram.terms.reserve]
     return _digest(d)
 
 

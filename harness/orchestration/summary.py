@@ -43,6 +43,48 @@ def verify_budget(measured: Iterable[tuple[str, str, float | None, str]], budget
     return BudgetVerdict(budget_mib, True, checks, "; ".join(parts))
 
 
+def verify_ram(measured: Iterable[tuple[str, str, int | None, str]], limit_bytes: int) -> BudgetVerdict:
+    """compare --ram: every run's peak in its memory cgroup (page cache counted) against the limit. `measured`
+    holds (key, config, peak bytes or None, source) per run. The kernel enforces the limit, so no peak exceeds
+    it; a run without a peak was not measured inside the cgroup."""
+    limit_mib = limit_bytes / 2**20
+    checks = tuple(BudgetCheck(k, c, p / 2**20 if p is not None else None, s if p is not None else "",
+                               p is not None and p > limit_bytes) for k, c, p, s in measured)
+    over = [c for c in checks if c.over]
+    missing = [c for c in checks if c.peak_mib is None]
+    parts = []
+    if over:
+        parts.append(f"{len(over)} run{'s' if len(over) > 1 else ''} over the RAM limit of {limit_mib:.0f} MiB: "
+                     + ", ".join(f"{c.key} ({c.peak_mib:.0f} MiB)" for c in over))
+    if missing:
+        parts.append(f"{len(missing)} run{'s' if len(missing) > 1 else ''} without a peak from the memory cgroup: "
+                     + ", ".join(c.key for c in missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    if not parts:
+        top = max(checks, key=lambda c: c.peak_mib or 0.0, default=None)
+        source = top.source if top is not None else ""
+        parts.append(f"every run stayed inside the RAM limit of {limit_mib:.0f} MiB (memory cgroup, page cache "
+                     f"counted; highest peak {top.peak_mib if top and top.peak_mib else 0.0:.0f} MiB"
+                     + (f", {top.config}" if top else "") + (f"; {source}" if source else "") + ")")
+    at_limit = [c for c in checks if c.peak_mib is not None and c.peak_mib >= limit_mib - 1.0]
+    if at_limit:
+        parts.append(f"{len(at_limit)} of {len(checks)} runs peaked at the limit: there the kernel reclaimed page "
+                     "cache (the model file read through mmap, at load or in decode) to keep them inside it, so "
+                     "the limit was enforced, not that they need that much")
+    return BudgetVerdict(limit_mib, True, checks, "; ".join(parts), memory="RAM")
+
+
+def engine_slot_warnings(records: Iterable[dict[str, Any]], planned: int) -> list[str]:
+    """compare --ram: the slots per layer the engine chose from ram= (its statistics), where they differ from
+    the plan's (whose context is an estimate from the GGUF metadata)."""
+    got: dict[str, set[int]] = {}
+    for r in records:
+        if r.get("kind") == "bench" and r.get("engine_slots") is not None:
+            got.setdefault(str(r["config"]), set()).add(int(r["engine_slots"]))
+    return [f"{config}: the engine chose {', '.join(map(str, sorted(s)))} slots per layer from ram=, the plan "
+            f"{planned} (the plan's context is an estimate; the engine measures its own)"
+            for config, s in sorted(got.items()) if s != {planned}]
+
+
 def estimate_speeds(plan: ComparePlan, quality: Sequence[QualityRow], profile_name: str) -> tuple[EstimateRow, ...]:
     """Decode time per token on a hardware profile: stock with the planned --n-cpu-moe, and every policy with
     the fetches (and admissions) per token that its emulate run counted."""

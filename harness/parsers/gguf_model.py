@@ -48,6 +48,7 @@ class ModelInfo:
     non_expert_bytes: int
     file_bytes: int
     file_type: str
+    kv_bytes_per_cell: int = 0  # the KV cache's bytes per context cell over all layers (f16 K and V); 0: unknown
 
     @property
     def n_moe_layers(self) -> int:
@@ -151,4 +152,35 @@ def read_model_info(path: str | Path) -> ModelInfo:
         non_expert_bytes=non_expert,
         file_bytes=file_bytes,
         file_type=",".join(sorted(weights)),
+        kv_bytes_per_cell=_kv_bytes_per_cell(reader, arch, n_layers),
     )
+
+
+def _per_layer(value: Any, n_layers: int) -> list[int]:
+    """A metadata value that is one number or one per layer (head_count_kv of some models)."""
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value][:n_layers]
+    return [int(value)] * n_layers
+
+
+def _kv_bytes_per_cell(reader: Any, arch: str, n_layers: int) -> int:
+    """f16 K and V of one context cell in every layer: n_head_kv x (key_length + value_length) x 2 bytes
+    (llama.cpp's default KV cache type), the head sizes defaulting to n_embd / n_head; 0 when the metadata
+    lacks them."""
+    n_embd = _field(reader, f"{arch}.embedding_length")
+    n_head = _field(reader, f"{arch}.attention.head_count")
+    n_head_kv = _field(reader, f"{arch}.attention.head_count_kv")
+    if n_embd is None or n_head is None:
+        return 0
+    heads = _per_layer(n_head, n_layers)
+    heads_kv = _per_layer(n_head_kv if n_head_kv is not None else n_head, n_layers)
+    if not heads or min(heads) <= 0:
+        return 0
+    k_len = _field(reader, f"{arch}.attention.key_length")
+    v_len = _field(reader, f"{arch}.attention.value_length")
+    total = 0
+    for h, hkv in zip(heads, heads_kv, strict=False):
+        dk = int(k_len) if k_len is not None else int(n_embd) // h
+        dv = int(v_len) if v_len is not None else int(n_embd) // h
+        total += hkv * (dk + dv) * 2
+    return total

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult
 from harness.report.tables import (
+    RAM_COLUMNS,
     SWEEP_HEADER,
     config_label,
     delta_cell,
@@ -13,6 +14,7 @@ from harness.report.tables import (
     md_table,
     plan_lines,
     quality_cells,
+    ram_rows,
     shown,
     speed_cells,
     speed_unit,
@@ -53,6 +55,11 @@ def render_compare_markdown(result: CompareResult) -> str:
                               [list(estimate_cells(e)) for e in result.estimates]))
         lines.append("")
     lines += ["## Budget", "", result.budget.message, ""]
+    if result.budget.memory == "RAM" and result.budget.checks:
+        lines.append(md_table(list(RAM_COLUMNS), [list(row) for row in ram_rows(result.budget)]))
+        lines += ["", "Every run's peak: " + ", ".join(
+            f"{c.key} {c.peak_mib:.1f} MiB" if c.peak_mib is not None else f"{c.key} -" for c in result.budget.checks)
+            + f" ({result.budget.checks[0].source or 'not measured'}).", ""]
     warnings = [w for r in result.speed for w in r.warnings] + list(result.warnings)
     if warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]

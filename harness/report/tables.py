@@ -10,7 +10,16 @@ from harness.core.project import project_root
 from harness.core.sizes import format_bytes
 from harness.domain.catalogue import FULL, STOCK
 from harness.domain.plan import ComparePlan
-from harness.domain.results import CompareResult, EstimateRow, QualityRow, SpeedRow, SweepResult, SweepRow, TopicRow
+from harness.domain.results import (
+    BudgetVerdict,
+    CompareResult,
+    EstimateRow,
+    QualityRow,
+    SpeedRow,
+    SweepResult,
+    SweepRow,
+    TopicRow,
+)
 from harness.stats.intervals import DeltaPPL
 
 
@@ -28,7 +37,52 @@ def speed_unit(result: CompareResult) -> str:
     return "tokens/s (CPU build)" if result.gpu == "none" else "tokens/s"
 
 
+def ram_plan_lines(plan: ComparePlan) -> list[str]:
+    """compare --ram: the limit, the terms of the engine's ram= formula, and what each build does under it."""
+    assert plan.ram is not None
+    r, t, i = plan.ram, plan.ram.terms, plan.info
+    return [
+        f"model: {i.name} ({i.arch}), {i.n_moe_layers} MoE layers x {i.n_expert} experts, top-{i.n_expert_used}; "
+        f"file {format_bytes(i.file_bytes)}: non-expert weights {format_bytes(i.non_expert_bytes)}, experts "
+        f"{format_bytes(i.expert_bytes)}",
+        f"RAM limit: {format_bytes(r.limit)} ({r.limit / i.file_bytes:.2f}x the file), a memory cgroup around every "
+        "run (page cache counted); both builds on the CPU",
+        f"budget terms (the engine's ram= formula): non-expert weights {format_bytes(t.weights)} + context "
+        f"{format_bytes(t.context)} (KV cache of {r.n_ctx} tokens, estimated) + reserve {format_bytes(t.reserve)} "
+        f"(vram_reserve) + spare slot and padding {format_bytes(t.fixed - t.weights - t.context - t.reserve)}; "
+        f"per slot {format_bytes(t.per_slot)} (one expert in each of {i.n_moe_layers} MoE layers) -> "
+        f"{r.slots_per_layer} of {i.n_expert} slots per layer ({r.slots_per_layer / i.n_expert:.1%}, "
+        f"{format_bytes(r.cache_bytes)}); minimum {format_bytes(t.minimum)}",
+        f"stock: mmap, --repack 0: all {format_bytes(i.expert_bytes)} of experts paged in from the file inside "
+        "the limit",
+        f"patched: mode=engine,host=file,ram={format_bytes(r.limit)},vram_reserve={format_bytes(t.reserve)}: missed "
+        "experts read from the "
+        "model file into the banks",
+    ]
+
+
+RAM_COLUMNS = ("configuration", "runs", "highest peak", "limit", "peak / limit")
+
+
+def ram_rows(budget: BudgetVerdict) -> list[tuple[str, str, str, str, str]]:
+    """compare --ram: per configuration (in the order of its first run), the highest peak of its runs in the
+    memory cgroup next to the limit."""
+    peaks: dict[str, list[float | None]] = {}
+    for c in budget.checks:
+        peaks.setdefault(c.config, []).append(c.peak_mib)
+    rows = []
+    for config, ps in peaks.items():
+        got = [p for p in ps if p is not None]
+        top = max(got) if got else None
+        rows.append((config_label(config), str(len(ps)) + ("" if len(got) == len(ps) else f" ({len(got)} measured)"),
+                     f"{top:.1f} MiB" if top is not None else "-", f"{budget.budget_mib:.1f} MiB",
+                     f"{top / budget.budget_mib:.0%}" if top is not None else "-"))
+    return rows
+
+
 def plan_lines(plan: ComparePlan) -> list[str]:
+    if plan.ram is not None:
+        return ram_plan_lines(plan)
     i = plan.info
     s = plan.slots
     lines = [

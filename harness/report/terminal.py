@@ -14,6 +14,7 @@ from harness.domain.plan import SlotPlan
 from harness.domain.results import CompareResult, Diagnosis, SweepResult
 from harness.parsers.gguf_model import ModelInfo
 from harness.report.tables import (
+    RAM_COLUMNS,
     SWEEP_HEADER,
     config_label,
     estimate_cells,
@@ -21,6 +22,7 @@ from harness.report.tables import (
     num,
     plan_lines,
     quality_cells,
+    ram_rows,
     speed_cells,
     speed_unit,
     sweep_cells,
@@ -108,6 +110,14 @@ def render_compare(result: CompareResult) -> Group:
             t.add_column(col, justify="left" if col == "configuration" else "right")
         for e in result.estimates:
             t.add_row(*estimate_cells(e))
+        parts.append(t)
+    if result.budget.memory == "RAM" and result.budget.checks:
+        t = Table(title="RAM: each configuration's highest peak in the memory cgroup (page cache counted) next to the "
+                  "limit", title_justify="left")
+        for col in RAM_COLUMNS:
+            t.add_column(col, justify="left" if col == "configuration" else "right")
+        for row in ram_rows(result.budget):
+            t.add_row(*row)
         parts.append(t)
     parts.append(Text("budget: " + result.budget.message,
                       style="bold red" if result.budget.over else ("yellow" if not result.budget.ok else "green")))

@@ -14,13 +14,15 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build, with_log_drain
+from harness.core.sizes import format_bytes
 from harness.parsers import (
     BenchResult,
     MemoryBreakdown,
@@ -33,6 +35,7 @@ from harness.parsers import (
 )
 from harness.parsers.cache_stats import CacheStats, parse_cache_stats
 from harness.parsers.nll_dump import NllDump, read_nll_dump_file
+from harness.tools.cgroup import MemoryCgroup, PeakMeter, drop_page_cache
 
 CACHE_ENV_VAR = "LLAMA_MOE_CACHE"  # docs/expert-cache.md
 CACHE_MODES = ("off", "emulate", "engine")  # engine: part 2 of the cache, not in every patched build yet
@@ -91,6 +94,9 @@ class RunOutput:
     stderr: str
     wall_s: float
     peak_gpu_mib: float | None = None  # nvidia-smi, device-wide, minus the level before the run
+    peak_ram_bytes: int | None = None  # the memory cgroup's peak (page cache counted), when run inside one
+    ram_limit_bytes: int | None = None  # that cgroup's limit
+    peak_ram_source: str = ""  # e.g. "cgroup v1 memory.max_usage_in_bytes"
 
     @property
     def text(self) -> str:
@@ -160,19 +166,39 @@ class GpuMemorySampler:
 
 
 def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-             timeout_s: float = 3600, cwd: Path | None = None, sample_gpu: bool = True) -> RunOutput:
-    """Run `tool args...` with `env` added to the environment; raise on a crash or a timeout."""
+             timeout_s: float = 3600, cwd: Path | None = None, sample_gpu: bool = True,
+             cgroup: MemoryCgroup | None = None, uncached: Path | None = None) -> RunOutput:
+    """Run `tool args...` with `env` added to the environment; raise on a crash or a timeout. With `cgroup` the
+    tool runs inside that memory cgroup and the output has its peak; `uncached` (the model) is dropped from the
+    page cache first, so that no run inherits another's cache."""
     argv = (str(tool), *args)
     full_env = dict(os.environ)
     full_env.pop(CACHE_ENV_VAR, None)  # only what the caller asks for reaches the tool
     full_env.update(env or {})
     with_log_drain(full_env)
+    if uncached is not None:
+        drop_page_cache(uncached)
+    with cgroup.measure() if cgroup is not None else _no_meter() as meter:
+        out = _run(tool, argv, env, full_env, timeout_s, cwd, sample_gpu, cgroup)
+    if cgroup is None:
+        return out
+    return replace(out, peak_ram_bytes=meter.peak, ram_limit_bytes=cgroup.limit, peak_ram_source=meter.source)
+
+
+@contextmanager
+def _no_meter() -> Iterator[PeakMeter]:
+    yield PeakMeter()
+
+
+def _run(tool: Path, argv: tuple[str, ...], env: Mapping[str, str] | None, full_env: dict[str, str], timeout_s: float,
+         cwd: Path | None, sample_gpu: bool, cgroup: MemoryCgroup | None) -> RunOutput:
     t0 = time.monotonic()
     sampler = GpuMemorySampler() if sample_gpu else None
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                errors="replace", env=full_env, cwd=cwd, stdin=subprocess.DEVNULL)
-    except OSError as e:
+                                errors="replace", env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                preexec_fn=cgroup.preexec if cgroup is not None else None)
+    except (OSError, subprocess.SubprocessError) as e:
         raise ToolCrashedError(f"cannot start {tool}: {e}") from None
     try:
         if sampler is not None:
@@ -197,6 +223,9 @@ def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None =
         how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
                else f"exited with {proc.returncode}")
         envs = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        if cgroup is not None and proc.returncode == -9:
+            how += (f" (the memory cgroup's OOM killer? its limit is {format_bytes(cgroup.limit)}, page cache "
+                    "counted: give a larger --ram)")
         raise ToolCrashedError(f"{tool.name} {how}\n  command: {envs + ' ' if envs else ''}{' '.join(argv)}\n"
                                f"  last lines:\n{tail(stdout + chr(10) + stderr)}")
     return out
@@ -221,6 +250,7 @@ class BenchRequest:
     cache: CacheSpec | None = None
     extra_args: tuple[str, ...] = ()
     label: str = ""  # the configuration's name in reports
+    cgroup: MemoryCgroup | None = None  # run inside this memory cgroup (compare --ram), the model uncached first
 
 
 @dataclass(frozen=True)
@@ -236,12 +266,14 @@ class PerplexityRequest:
     nll_dump: Path | None = None
     extra_args: tuple[str, ...] = ()
     label: str = ""
+    cgroup: MemoryCgroup | None = None  # as BenchRequest.cgroup
 
 
 @dataclass(frozen=True)
 class BenchRun:
     results: tuple[BenchResult, ...]
     output: RunOutput
+    cache_stats: CacheStats | None = None  # what the cache wrote at exit (its last context's), when asked for
 
 
 @dataclass(frozen=True)
@@ -313,20 +345,25 @@ class ToolRunner:
             raise HarnessError(f"a cache configuration needs the patched build, not {build.name}")
         try:
             out = run_tool(build.tool("llama-bench"), bench_args(req), env=_cache_env(req.cache),
-                           timeout_s=self.timeout_s)
+                           timeout_s=self.timeout_s, cgroup=req.cgroup,
+                           uncached=req.model if req.cgroup is not None else None)
         except ToolCrashedError as e:
             # llama-bench hides libllama's log unless -v: repeat a failed context creation verbosely, so the
             # error names its cause (such as a cache spec the build rejects)
             if "failed to create context" not in str(e) or "-v" in req.extra_args:
                 raise
             run_tool(build.tool("llama-bench"), [*bench_args(req), "-v"], env=_cache_env(req.cache),
-                     timeout_s=self.timeout_s)
+                     timeout_s=self.timeout_s, cgroup=req.cgroup)
             raise
         try:
             results = parse_bench_json(out.stdout)
         except ParseError as e:
             raise ParseError(e.what, out.text, source="llama-bench") from None
-        return BenchRun(tuple(results), out)
+        try:
+            stats = _read_cache_stats(req.cache)
+        except ParseError:
+            stats = None  # the speed figures stand without them
+        return BenchRun(tuple(results), out, stats)
 
     def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
         if (req.cache is not None or req.nll_dump is not None) and build.name != "patched":
@@ -334,7 +371,8 @@ class ToolRunner:
                                f"not {build.name}")
         for attempt in range(1, self.attempts + 1):
             out = run_tool(build.tool("llama-perplexity"), perplexity_args(req), env=_cache_env(req.cache),
-                           timeout_s=self.timeout_s)
+                           timeout_s=self.timeout_s, cgroup=req.cgroup,
+                           uncached=req.model if req.cgroup is not None else None)
             try:
                 result = parse_perplexity(out.text)
                 memory: MemoryBreakdown | None = parse_memory_breakdown(out.stderr)
