@@ -41,14 +41,32 @@ sys.path.insert(0, str(ROOT))
 from harness.core.errors import HarnessError  # noqa: E402
 from harness.core.project import get_build  # noqa: E402
 from harness.core.sizes import format_bytes, parse_size  # noqa: E402
-from harness.parsers.gguf_model import read_model_info  # noqa: E402
+from harness.domain.costmodel import TokenWork, cache_work  # noqa: E402
+from harness.orchestration.simulate import SimulateOptions, run_calibrate, simulate  # noqa: E402
+from harness.parsers.cache_stats import parse_cache_stats  # noqa: E402
+from harness.parsers.gguf_model import ModelInfo, read_model_info  # noqa: E402
 from harness.stats.intervals import mean_ci, ratio_ci  # noqa: E402
 from harness.tools.cgroup import MemoryCgroup, check_ram_limit, mem_available  # noqa: E402
 from harness.tools.cgroup import drop_page_cache as drop_cache  # noqa: E402
 
 
 def engine(policy: str, slots: str) -> str:
-    return f"mode=engine,policy={policy},slots={slots},host=file"
+    """The engine's spec for a policy item: a preset name, optionally with more keys ("quality,tau_file=0.3")."""
+    name, _, more = policy.partition(",")
+    return f"mode=engine,policy={name},slots={slots},host=file" + (f",{more}" if more else "")
+
+
+def token_work(info: ModelInfo, doc: dict) -> TokenWork:  # type: ignore[type-arg]
+    """What one decoded token of an engine run cost (its statistics), for the cost model."""
+    st = parse_cache_stats(json.dumps(doc))
+    tokens = max(1, st.tokens or 1)
+    return cache_work(info, (st.fetches or 0) / tokens, admissions_per_token=(st.admissions or 0) / tokens)
+
+
+def in_ram_work(info: ModelInfo) -> TokenWork:
+    """Stock with every expert in RAM: the compute alone (the k selected experts and the non-expert weights)."""
+    experts = info.n_expert_used * info.bytes_per_expert * info.n_moe_layers
+    return TokenWork(n_layers=info.n_layers, resident_bytes=info.non_expert_bytes + experts)
 
 
 def disk_bandwidth(path: Path, chunk: int, n: int = 200, seed: int = 0) -> tuple[float, float]:
@@ -85,12 +103,18 @@ def io_read_bytes_of_children() -> int:
 
 
 def bench(cg: MemoryCgroup | None, bin_dir: Path, model: Path, spec: str | None, n_gen: int, threads: int,
-          stats: Path | None) -> tuple[list[float], int, str]:
+          stats: Path | None, n_prompt: int = 0, ubatch: int | None = None) -> tuple[list[float], int, str]:
+    """llama-bench: tg n_gen (or, with n_prompt, pp n_prompt without warmup: a cold prompt) -> (t/s samples,
+    storage bytes read, error)."""
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
     if spec:
         env["LLAMA_MOE_CACHE"] = spec + (f",stats={stats}" if stats else "")
-    args = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", "1",
-            "-t", str(threads), "--repack", "0", "-o", "jsonl"]
+    args = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(n_prompt), "-n", str(0 if n_prompt else n_gen),
+            "-r", "1", "-t", str(threads), "--repack", "0", "-o", "jsonl"]
+    if n_prompt:
+        args.append("--no-warmup")
+    if ubatch:
+        args += ["-ub", str(ubatch)]
     before = io_read_bytes_of_children()
     if cg is None:
         res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3600)
@@ -114,7 +138,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--policies", default="fetch-all,quality,speed")
+    ap.add_argument("--policies", default="fetch-all;quality;speed",
+                    help="';'-separated presets, each optionally with more spec keys (quality,tau_file=0.3)")
+    ap.add_argument("--prompt", type=int, default=512, help="prefill runs: a cold prompt of this many tokens (0: none)")
+    ap.add_argument("--prompt-rounds", type=int, default=2)
+    ap.add_argument("--profile", default="cpu-disk", help="the base profile the calibration fits")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench-tiers.json")
     a = ap.parse_args()
 
@@ -160,7 +188,9 @@ def main() -> int:
           f"= {compute_ms:.1f} ms/token of compute", file=sys.stderr)
 
     runs: list[tuple[str, str, str | None]] = [("stock (mmap)", "stock", None)]
-    runs += [(f"engine {p} {a.slots} host=file", "patched", engine(p, a.slots)) for p in a.policies.split(",")]
+    runs += [(f"engine {p} {a.slots} host=file", "patched", engine(p, a.slots)) for p in a.policies.split(";")]
+    trace = a.out.parent / "bench-tiers.trace"
+    traced = next((n for n, _, sp in runs if sp and "policy=fetch-all" in sp), None)
     samples: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     reads: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     stats_doc: dict[str, dict] = {}  # type: ignore[type-arg]
@@ -194,7 +224,9 @@ def main() -> int:
                     continue
                 drop_cache(model)
                 st = tmp / f"{r}-{len(samples[name])}.json" if spec else None
-                ts, read, err = bench(cg, bins[build], model, spec, a.tokens, a.threads, st)
+                # the router trace of the first fetch-all run, which the simulator replays below
+                sp = f"{spec},trace={trace},trace_top={info.n_expert}" if spec and r == 0 and name == traced else spec
+                ts, read, err = bench(cg, bins[build], model, sp, a.tokens, a.threads, st)
                 if err:
                     errors[name] = err
                     continue
@@ -203,6 +235,31 @@ def main() -> int:
                 if st and st.exists():
                     stats_doc[name] = json.loads(st.read_text())
                 print(f"bench_tiers: round {r + 1}/{a.rounds} {name}: {sum(ts) / len(ts):.2f} t/s", file=sys.stderr)
+        # prefill (issue 11 item 5): a cold prompt, stock through mmap; the engine with the default ubatch (above
+        # `group`: the full expert tensors through mmap, as stock) and with ubatches of `group` tokens (through
+        # the banks, from the file)
+        n_slots = round(float(a.slots[:-1]) * info.n_expert / 100) if a.slots.endswith("%") else int(a.slots)
+        group = max(1, n_slots // info.n_expert_used)  # the engine's group=auto
+        fa = engine("fetch-all", a.slots)
+        prompt_runs: list[tuple[str, str, str | None, int | None]] = []
+        if a.prompt:
+            prompt_runs = [("stock (mmap), ubatch 512", "stock", None, None),
+                           ("engine fetch-all, ubatch 512 (mmap)", "patched", fa, None),
+                           (f"engine fetch-all, ubatch {group} (banks)", "patched", fa, group),
+                           (f"engine quality, ubatch {group} (banks)", "patched", engine("quality", a.slots), group)]
+        for r in range(a.prompt_rounds if a.prompt else 0):
+            for name, build, spec, ub in prompt_runs:
+                if name in errors:
+                    continue
+                drop_cache(model)
+                ts, read, err = bench(cg, bins[build], model, spec, 0, a.threads, None, n_prompt=a.prompt, ubatch=ub)
+                if err:
+                    errors[name] = err
+                    continue
+                samples.setdefault(name, []).extend(ts)
+                reads.setdefault(name, []).append(read)
+                print(f"bench_tiers: prefill round {r + 1}/{a.prompt_rounds} {name}: {sum(ts) / len(ts):.2f} t/s",
+                      file=sys.stderr)
     finally:
         cg.close()
 
@@ -234,6 +291,61 @@ def main() -> int:
             "spec": spec, "samples_ts": samples[name], "mean": ci.mean, "ci95": ci.half_width,
             "vs_stock": rc.ratio if rc else None, "vs_stock_ci": [rc.low, rc.high] if rc else None,
             "read_bytes_per_token": mb * 1e6, "floor_ts": 1000.0 / floor_ms, "stats": stats_doc.get(name)}
+    if a.prompt:
+        print(f"\nprefill, a cold prompt of {a.prompt} tokens (pp{a.prompt}, no warmup), under the same limit")
+        print(f"{'run':<40} {'tokens/s':>9} {'95% CI':>8} {'vs stock':>9} {'GB read':>8}")
+        pstock = samples.get(prompt_runs[0][0], [])
+        out["prefill"] = {}
+        for name, _, spec, ub in prompt_runs:
+            if name in errors or not samples.get(name):
+                print(f"{name:<40} {errors.get(name, 'no samples')}")
+                continue
+            ci = mean_ci(samples[name])
+            rc = ratio_ci(samples[name], pstock) if pstock else None
+            gb = sum(reads[name]) / len(reads[name]) / 1e9
+            print(f"{name:<40} {ci.mean:9.2f} {ci.half_width:8.2f} {f'{rc.ratio:8.2f}x' if rc else '       -'} "
+                  f"{gb:8.2f}")
+            out["prefill"][name] = {  # type: ignore[index]
+                "spec": spec, "ubatch": ub, "samples_ts": samples[name], "mean": ci.mean, "ci95": ci.half_width,
+                "vs_stock": rc.ratio if rc else None, "read_bytes": gb * 1e9}
+
+    # the cost model (harness calibrate, harness simulate): a disk profile fitted to the compute in RAM and the
+    # fetch-all run, then the simulator's estimate for every policy from the fetch-all run's trace, against the
+    # measurement (the policies other than fetch-all are predictions: not in the fit)
+    fit_runs = [{"name": "stock in RAM", "work": in_ram_work(info).__dict__, "ms": compute_ms}]
+    for name, _, spec in runs:
+        if spec and "policy=fetch-all" in spec and name in stats_doc and samples[name]:
+            fit_runs.append({"name": name, "work": token_work(info, stats_doc[name]).__dict__,
+                             "ms": 1000.0 / (sum(samples[name]) / len(samples[name]))})
+    runs_path = a.out.with_suffix(".calibration.jsonl")
+    runs_path.write_text("".join(json.dumps(r) + "\n" for r in fit_runs))
+    prof_path = a.out.with_suffix(".profile.json")
+    try:
+        fitted = run_calibrate(runs_path, a.profile, prof_path, name=f"{a.profile}-bench-tiers")
+        print(f"\ncost model: harness calibrate --base {a.profile} {runs_path} -o {prof_path}: disk "
+              f"{fitted.h2d_bw_gbs:.2f} GB/s, compute {fitted.vram_bw_gbs:.1f} GB/s + {fitted.layer_fixed_us:.0f} us "
+              f"per layer, {fitted.fetch_latency_us:.0f} us per read, {fitted.layer_roundtrip_us:.0f} us per route "
+              "step")
+        if trace.exists():
+            sims = simulate(SimulateOptions(trace=trace, model=model, policies=tuple(
+                p.split(",")[0] for p in a.policies.split(";") if "," not in p), residencies=(a.slots,),
+                profile=str(prof_path)))
+            print(f"harness simulate --trace {trace} --model {model} --residency {a.slots} --profile {prof_path}")
+            print(f"{'policy':<12} {'estimated t/s':>14} {'measured t/s':>13} {'estimate/measured':>18} "
+                  f"{'in the fit':>11}")
+            out["simulate"] = {}
+            for row in sims.rows:
+                name = next((n for n, _, sp in runs if sp and sp == engine(row.policy, a.slots)), None)
+                if name is None or not samples.get(name):
+                    continue
+                meas = sum(samples[name]) / len(samples[name])
+                est = 1000.0 / row.est_ms_per_token
+                print(f"{row.policy:<12} {est:14.2f} {meas:13.2f} {est / meas:17.2f}x "
+                      f"{'yes' if row.policy == 'fetch-all' else 'no':>11}")
+                out["simulate"][row.policy] = {"estimated_ts": est, "measured_ts": meas}  # type: ignore[index]
+    except HarnessError as e:
+        print(f"bench_tiers: cost model: {e}", file=sys.stderr)
+
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"bench_tiers: wrote {a.out}", file=sys.stderr)
