@@ -28,8 +28,9 @@
 //   - rule=ser, ik_llama.cpp's Smart Expert Reduction (-ser Kmin,t): cache-unaware: the first `kmin` ranks
 //     (default 1) always run; a later rank runs only if its gate weight is > t * the rank-0 weight (default
 //     t = 0.1); the others are skipped (gate weight 0, resident or not: `skips`); computed misses are fetched.
-//   - light=host (rules that substitute): a miss the rule would substitute is computed on the host with the
-//     missed expert itself (exact; LLAMA_EXPERT_ACTION_HOST, counter host_computes) instead.
+//   - light=host (rules that substitute): a light miss, one the rule does not fetch by its rank or weight (which
+//     it would otherwise substitute), is computed on the host with the missed expert itself (exact;
+//     LLAMA_EXPERT_ACTION_HOST, counter host_computes); with cache-route every rank from j on.
 
 #include "llama-expert-counters.h"
 
@@ -52,7 +53,7 @@ enum llama_expert_miss_rule {
     LLAMA_EXPERT_MISS_DROP           = 4, // give every miss gate weight 0 (a reference point)
     LLAMA_EXPERT_MISS_CACHE_ROUTE    = 5, // colibri CACHE_ROUTE: ranks < j fetched, later ones a resident of the top m
     LLAMA_EXPERT_MISS_ZERO           = 6, // colibri DEGRADE_ZERO: drop a miss with gate weight < tau, fetch the others
-    LLAMA_EXPERT_MISS_SER            = 7, // ik_llama.cpp SER: skip ranks >= kmin with w < t * w_0 (cache-unaware)
+    LLAMA_EXPERT_MISS_SER            = 7, // ik_llama.cpp SER: skip ranks >= kmin unless w > t * w_0 (cache-unaware)
 };
 
 enum llama_expert_evict {
@@ -111,7 +112,7 @@ struct llama_expert_cache_config {
     // rules that drop (drop, zero, ser): rescale the computed selections to the weight sum of all k (renorm=on)
     bool renorm = false;
 
-    // rules that substitute: a miss the rule would substitute is computed on the host instead (light=host)
+    // rules that substitute: a light miss (not fetched by rank or weight) is computed on the host (light=host)
     bool light_host = false;
 
     // residency: slots_count >= 0 wins, otherwise slots_pct percent of the layer's experts
