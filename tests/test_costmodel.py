@@ -30,6 +30,40 @@ def test_admission_overlaps_compute() -> None:
     assert estimate(P, visible).admit_ms == pytest.approx(1.5 - 1.02)
 
 
+def test_host_computed_experts() -> None:
+    # 4 experts of 3.5 MB on the host: 14 MB at 40 GB/s = 0.35 ms, + 4 x 20 us (the default fixed cost) = 0.43 ms
+    w = TokenWork(n_layers=1, resident_bytes=0, host_experts=4, host_bytes=14e6)
+    e = estimate(P, w)
+    assert P.host_expert_us == 20.0
+    assert e.host_ms == pytest.approx(0.43)
+    assert e.ms_per_token == pytest.approx(0.43 + 0.02)
+    slow = dataclasses.replace(P, host_expert_us=100.0)
+    assert estimate(slow, w).host_ms == pytest.approx(0.35 + 0.4)
+
+
+def test_cache_work_counts_host_computes() -> None:
+    from harness.parsers.gguf_model import ModelInfo
+
+    # 2 MoE layers of 4 experts of 1000 bytes each
+    info = ModelInfo(path="m.gguf", arch="qwen3moe", name="m", n_layers=2, moe_layers=(0, 1), n_expert=4,
+                     n_expert_used=2, n_expert_shared=0, gating="softmax", weights_norm=True, merged_gate_up=False,
+                     expert_tensors=(), expert_bytes=8000, non_expert_bytes=500, file_bytes=9000, file_type="F16")
+    assert info.bytes_per_expert == 1000
+    w = costmodel.cache_work(info, fetches_per_token=2.0, host_computes_per_token=3.0)
+    assert (w.host_experts, w.host_bytes) == (3.0, 3.0 * info.bytes_per_expert)
+    assert (w.fetch_bytes, w.fetch_ops) == (2.0 * info.bytes_per_expert, 2.0)
+    assert costmodel.cache_work(info, 2.0).host_experts == 0.0
+
+
+def test_profiles_have_a_host_expert_basis() -> None:
+    import json
+    from importlib import resources
+
+    for n in costmodel.list_profiles():
+        data = json.loads((resources.files("harness.profiles") / f"{n}.json").read_text())
+        assert data["host_expert_us"] > 0 and "estimate" in data["sources"]["host_expert_us"], n
+
+
 def test_stock_cpu_experts() -> None:
     w = TokenWork(n_layers=2, resident_bytes=0, sync_layers=2, cpu_expert_bytes=4e9)
     assert estimate(P, w).cpu_ms == pytest.approx(100.0)

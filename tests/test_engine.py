@@ -109,8 +109,8 @@ def check_ok(r: Run) -> None:
 
 def check_consistent(stats: dict) -> None:  # type: ignore[type-arg]
     for s in [stats["total"], *stats["layers"]]:
-        assert s["hits"] + s["misses"] == s["calls"]
-        assert s["fetches"] + s["substitutions"] + s["drops"] == s["misses"]
+        assert s["hits"] + s["misses"] + s["skips"] == s["calls"]
+        assert s["fetches"] + s["substitutions"] + s["drops"] + s["host_computes"] == s["misses"]
         assert s["calls"] == s["token_layers"] * stats["config"]["n_expert_used"]
         assert sum(s["mass_hist"]) == s["token_layers"]
     assert len(stats["layers"]) == N_LAYER
@@ -162,6 +162,29 @@ def test_engine_decode_equals_emulate(arch: str, policy: str, engine_models: dic
     # admissions go through the background state (LOADING until the layer's next step), fetches do not
     assert e["background_experts"] == t["admissions"]
     assert e["copy_bytes"] > 0 and e["copies"] >= 1 and e["bank_bytes"] > 0
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("spec", ["rule=cache-route,alpha=0.5,slots=25%",
+                                  "rule=zero,tau=0.1,renorm=on,evict=classlru,slots=25%",
+                                  "rule=ser,kmin=2,t=0.5,renorm=on,slots=25%"])
+def test_engine_decode_equals_emulate_anchor_policies(spec: str, engine_models: dict[str, Path], engine_text: Path,
+                                                      tmp_path: Path, engine_build: Build) -> None:
+    """The anchors' rules in engine mode: drops and skips read the spare slot at weight 0, alpha and renorm scale
+    the gate weights; the same decisions and outputs as emulate mode."""
+    model = engine_models["qwen3moe"]
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=1)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=1)
+    check_ok(emu)
+    check_ok(eng)
+    assert emu.stats is not None and eng.stats is not None
+    check_consistent(eng.stats)
+    same_decisions(emu.stats, eng.stats)
+    t = eng.stats["total"]
+    assert t["substitutions"] + t["drops"] + t["skips"] > 0
+    assert eng.stats["engine"]["copied_experts"] == t["fetches"] + t["admissions"]
     assert emu.nll is not None and eng.nll is not None
     np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
 

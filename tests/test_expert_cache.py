@@ -133,8 +133,8 @@ def check_ok(r: PplRun) -> None:
 def check_consistent(stats: dict) -> None:  # type: ignore[type-arg]
     assert stats["schema_version"] == 1
     for s in [stats["total"], *stats["layers"]]:
-        assert s["hits"] + s["misses"] == s["calls"]
-        assert s["fetches"] + s["substitutions"] + s["drops"] == s["misses"]
+        assert s["hits"] + s["misses"] + s["skips"] == s["calls"]  # skips: rule=ser only
+        assert s["fetches"] + s["substitutions"] + s["drops"] + s["host_computes"] == s["misses"]
         assert sum(s["mass_hist"]) == s["token_layers"]
         assert s["token_layers_with_subst"] <= s["token_layers"]
         assert s["calls"] == s["token_layers"] * stats["config"]["n_expert_used"]
@@ -143,7 +143,8 @@ def check_consistent(stats: dict) -> None:  # type: ignore[type-arg]
         assert s["substituted_mass"] == pytest.approx(s["subst_mass_sum"] / s["token_layers"])
     assert len(stats["layers"]) == N_LAYER
     total = stats["total"]
-    for key in ("calls", "hits", "misses", "fetches", "substitutions", "drops", "admissions", "evictions"):
+    for key in ("calls", "hits", "misses", "fetches", "substitutions", "drops", "host_computes", "skips", "admissions",
+                "evictions"):
         assert total[key] == sum(layer[key] for layer in stats["layers"])
     assert total["tokens"] == N_CHUNKS * N_CTX
     # every token of every chunk is decided once per layer, and the warmup run does not count; except that
@@ -290,6 +291,72 @@ def test_drop_rule(cache_models: dict[str, Path], text_file: Path, tmp_path: Pat
     assert r.nll is not None and base.nll is not None and not np.array_equal(r.nll, base.nll)
 
 
+# the anchors' policies (issue 13) where they compute every selected expert with itself and its own weight: the
+# host action (light=host) is exact, zero with tau=0 and ser with t=0 drop nothing (their weight factors are 1),
+# cache-route with j=k fetches every rank, ClassLRU only evicts; all equal the stock build bit for bit
+EXACT_SPECS = [
+    ("policy=quality,light=host,slots=25%", "host_computes"),
+    ("rule=cache-route,j=0,light=host,slots=25%", "host_computes"),
+    ("rule=zero,tau=0,renorm=on,slots=25%", "fetches"),
+    ("rule=ser,kmin=1,t=0,renorm=on,slots=25%", "fetches"),
+    (f"rule=cache-route,j={K},alpha=0.5,slots=25%", "fetches"),
+    ("policy=fetch-all,evict=classlru,half_life=16,slots=25%", "evictions"),
+]
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", ARCHS)
+def test_anchor_policies_exact_where_every_expert_computes(arch: str, cache_models: dict[str, Path],
+                                                           text_file: Path, tmp_path: Path, stock_build: Build,
+                                                           patched_build: Build) -> None:
+    model = cache_models[arch]
+    stock = run_ppl(stock_build, model, text_file, tmp_path / "stock", save_logits=True)
+    check_ok(stock)
+    for i, (spec, exercised) in enumerate(EXACT_SPECS):
+        r = run_ppl(patched_build, model, text_file, tmp_path / str(i), f"mode=emulate,{spec}", save_logits=True)
+        check_ok(r)
+        assert r.stats is not None
+        check_consistent(r.stats)
+        t = r.stats["total"]
+        assert t[exercised] > 0, spec  # the path was taken
+        assert t["substitutions"] == 0 and t["drops"] == 0 and t["skips"] == 0, spec
+        if "light=host" in spec:
+            assert r.stats["config"]["light"] == "host"
+        if "j=0" in spec:
+            assert t["host_computes"] == t["misses"]
+        assert r.logits == stock.logits, spec
+
+
+# the weight factors reach the graph: other outputs, with the same decisions in the first MoE layer (whose router
+# input does not depend on any MoE layer's weights; later layers see the changed hidden states)
+FACTOR_PAIRS = [
+    ("rule=zero,tau=0.1,slots=25%", "rule=zero,tau=0.1,renorm=on,slots=25%", "drops"),
+    ("rule=ser,kmin=2,t=0.5,slots=25%", "rule=ser,kmin=2,t=0.5,renorm=on,slots=25%", "skips"),
+    ("rule=drop,slots=25%", "rule=drop,renorm=on,slots=25%", "drops"),
+    ("rule=cache-route,slots=25%", "rule=cache-route,alpha=0.5,slots=25%", "substitutions"),
+]
+
+
+@pytest.mark.build
+@pytest.mark.parametrize(("a", "b", "counter"), FACTOR_PAIRS)
+def test_anchor_weight_factors_change_only_the_weights(a: str, b: str, counter: str, cache_models: dict[str, Path],
+                                                       text_file: Path, tmp_path: Path, patched_build: Build) -> None:
+    model = cache_models["qwen3moe"]
+    base = run_ppl(patched_build, model, text_file, tmp_path / "base", nll=True)
+    ra = run_ppl(patched_build, model, text_file, tmp_path / "a", f"mode=emulate,{a}", nll=True)
+    rb = run_ppl(patched_build, model, text_file, tmp_path / "b", f"mode=emulate,{b}", nll=True)
+    for r in (base, ra, rb):
+        check_ok(r)
+    assert ra.stats is not None and rb.stats is not None
+    check_consistent(ra.stats)
+    check_consistent(rb.stats)
+    assert ra.stats["layers"][0][counter] > 0
+    assert ra.stats["layers"][0] == rb.stats["layers"][0]
+    assert ra.nll is not None and rb.nll is not None and base.nll is not None
+    assert not np.array_equal(ra.nll, rb.nll)
+    assert not np.array_equal(ra.nll, base.nll)
+
+
 @pytest.mark.build
 @pytest.mark.parametrize(("spec", "message"), [
     ("mode=emulate,colour=red", "unknown key 'colour'"),
@@ -297,6 +364,12 @@ def test_drop_rule(cache_models: dict[str, Path], text_file: Path, tmp_path: Pat
     ("mode=emulate,policy=fastest", "accepted: quality, speed, fetch-all"),
     ("mode=emulate,slots=4", "slots=4 is fewer than the 8 experts used per token"),
     ("mode=emulate,slots=65", "slots=65 is more than the 64 experts per layer"),
+    # the anchors' keys that need the model's k = 8 and 64 experts
+    ("mode=emulate,rule=cache-route,j=9", "bad value '9' for key 'j' (accepted: a number of ranks in [0, 8]"),
+    ("mode=emulate,rule=cache-route,m=4", "bad value '4' for key 'm' (accepted: a window of router ranks in [8, 64]"),
+    ("mode=emulate,rule=ser,kmin=9", "bad value '9' for key 'kmin' (accepted: a number of ranks in [1, 8]"),
+    ("mode=engine,policy=quality,light=host", "light=host (experts computed on the host) is not implemented in "
+                                              "mode=engine yet"),
 ])
 def test_bad_config_errors(spec: str, message: str, cache_models: dict[str, Path], text_file: Path,
                            tmp_path: Path, patched_build: Build) -> None:

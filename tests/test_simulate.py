@@ -74,7 +74,8 @@ def test_parse_summary() -> None:
 
 def counters(tokens: int, token_layers: int, fetches: int, admissions: int, hit_rate: float) -> dict[str, Any]:
     return {"calls": token_layers * 2, "hits": 0, "misses": 0, "fetches": fetches, "substitutions": 10, "drops": 0,
-            "admissions": admissions, "evictions": 0, "subst_first_choice": 0, "forced_substitutions": 0,
+            "host_computes": 0, "skips": 0, "admissions": admissions, "evictions": 0, "subst_first_choice": 0,
+            "forced_substitutions": 0,
             "token_layers": token_layers, "token_layers_with_subst": 5, "max_subst_weight": 0.1,
             "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 2.0 / token_layers,
             "fetches_per_token": fetches / tokens, "drop_mass_sum": 0.0, "hit_rate": hit_rate,
@@ -335,6 +336,18 @@ SPECS = [
     "rule=drop,slots=25%",
     "policy=fetch-all,evict=lfu,halve=32,slots=9",
     "policy=quality,host=file,tau_file=0.3,slots=25%",  # the file tier's threshold
+    # the anchors' policies (issue 13)
+    "rule=cache-route,slots=25%",
+    "rule=cache-route,j=2,m=12,alpha=0.5,admit=0.25,evict=lfu,slots=20",
+    "rule=cache-route,j=0,light=host,slots=16",
+    "rule=zero,slots=25%",
+    "rule=zero,tau=0.1,renorm=on,evict=classlru,slots=16",
+    "rule=ser,kmin=4,t=0.3,slots=25%",
+    "rule=ser,kmin=2,t=0.5,renorm=on,evict=classlru,half_life=16,slots=20",
+    "policy=fetch-all,evict=classlru,slots=25%",
+    "policy=quality,evict=classlru,half_life=32,classes=4,slots=12",
+    "policy=quality,light=host,slots=25%",
+    "rule=drop,renorm=on,slots=25%",
 ]
 
 
@@ -353,6 +366,15 @@ def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model
     assert sim_prof.read_text() == engine_prof.read_text()
     if engine["config"]["admit"]:
         assert engine["total"]["admissions"] > 0  # admission is exercised, not only configured
+    t = engine["total"]  # the anchors' paths are exercised too
+    if "light=host" in spec:
+        assert t["host_computes"] > 0 and t["substitutions"] == 0
+    if "rule=ser" in spec:
+        assert t["skips"] > 0
+    if "rule=zero" in spec:
+        assert t["drops"] > 0
+    if "rule=cache-route" in spec and "light=host" not in spec:
+        assert t["substitutions"] > 0
 
 
 @pytest.mark.build

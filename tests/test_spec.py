@@ -34,7 +34,8 @@ CASES = [
     ("rule=threshold,tau=0.3,slots=16", "ok"),
     ("slots=4,slots=8", "error: key 'slots' is given twice ('4' and '8')"),
     ("engine,mode=engine", "error: key 'mode' is given twice"),
-    ("policy=speed,tau=0.2", "error: tau applies to rule=threshold (policy=quality), not to rule=first-choice"),
+    ("policy=speed,tau=0.2",
+     "error: tau applies to rule=threshold (policy=quality) or rule=zero, not to rule=first-choice"),
     ("policy=quality,rule=first-choice,tau=0.2", "error: tau applies to rule=threshold"),
     ("mode=off,stats=s.json", "ok"),  # accepted; the context warns that stats has no effect
     ("off", "ok"),
@@ -56,6 +57,54 @@ CASES = [
     ("mode=engine,host=file,policy=speed,tau_file=0.4", "error: tau_file applies to rule=threshold"),
     ("mode=engine,policy=quality,tau_file=0.4", "error: tau_file is the threshold for misses read from the model"),
     ("mode=engine,host=file,policy=quality,tau_file=1.5", "error: bad value '1.5' for key 'tau_file'"),
+    # the anchors' policies (issue 13): values and ranges
+    ("rule=cache-route", "ok"),
+    ("rule=cache-route,j=2,m=16,alpha=0.5", "ok"),
+    ("rule=cache-route,m=auto,alpha=0,j=0", "ok"),
+    ("rule=cache-route,alpha=1.01", "error: bad value '1.01' for key 'alpha' (accepted: a weight scale in [0, 1])"),
+    ("rule=cache-route,alpha=-0.5", "error: bad value '-0.5' for key 'alpha'"),
+    ("rule=cache-route,m=0", "error: bad value '0' for key 'm' (accepted: a window of router ranks in [k, n_expert], "
+                             "or auto (2k))"),
+    ("rule=cache-route,j=-1", "error: bad value '-1' for key 'j' (accepted: a number of ranks in [0, k]"),
+    ("policy=quality,j=2", "error: j applies to rule=cache-route, not to rule=threshold"),
+    ("rule=cache-route,light=host,alpha=0.5", "error: alpha chooses and weighs substitutes, and light=host"),
+    ("rule=zero", "ok"),
+    ("rule=zero,tau=0.05,renorm=on", "ok"),
+    ("rule=zero,renorm=maybe", "error: bad value 'maybe' for key 'renorm' (accepted: on"),
+    ("rule=zero,tau=2", "error: bad value '2' for key 'tau' (accepted: a number in [0, 1])"),
+    ("policy=quality,renorm=on",
+     "error: renorm applies to the rules that drop (drop, zero, ser), not to rule=threshold"),
+    ("rule=drop,renorm=on", "ok"),
+    ("rule=ser,kmin=6,t=0.2", "ok"),
+    ("rule=ser,kmin=0", "error: bad value '0' for key 'kmin' (accepted: a number of ranks in [1, k]"),
+    ("rule=ser,t=1.5",
+     "error: bad value '1.5' for key 't' (accepted: a ratio to the first choice's gate weight in [0, 1])"),
+    ("rule=zero,t=0.5", "error: t applies to rule=ser, not to rule=zero"),
+    ("evict=classlru", "ok"),
+    ("policy=quality,evict=classlru,half_life=64,classes=4", "ok"),
+    ("evict=classlru,classes=0", "error: bad value '0' for key 'classes' (accepted: a number of classes in [1, 32])"),
+    ("evict=classlru,half_life=0", "error: bad value '0' for key 'half_life' (accepted: a number of tokens >= 1)"),
+    ("evict=mru", "error: bad value 'mru' for key 'evict' (accepted: lfu, lru, classlru)"),
+    ("policy=quality,half_life=64", "error: half_life applies to evict=classlru, not to evict=lfu"),
+    ("policy=quality,light=host", "ok"),
+    ("policy=speed,light=substitute", "ok"),
+    ("policy=quality,light=gpu", "error: bad value 'gpu' for key 'light' (accepted: substitute"),
+    ("rule=zero,light=host", "error: light applies to the rules that substitute"),
+    ("mode=engine,policy=quality,light=host", "error: light=host (experts computed on the host) is not implemented in "
+                                              "mode=engine yet"),
+]
+
+# the checks that need the model: k = 8 experts per token of 64 (the cache and llama-moe-sim make them)
+CASES_K = [
+    ("rule=cache-route,j=8,m=8", "ok"),
+    ("rule=cache-route,m=64", "ok"),
+    ("rule=cache-route,j=9",
+     "error: bad value '9' for key 'j' (accepted: a number of ranks in [0, 8], the experts used per token)"),
+    ("rule=cache-route,m=7", "error: bad value '7' for key 'm' (accepted: a window of router ranks in [8, 64]"),
+    ("rule=cache-route,m=65", "error: bad value '65' for key 'm'"),
+    ("rule=ser,kmin=8", "ok"),
+    ("rule=ser,kmin=9", "error: bad value '9' for key 'kmin' (accepted: a number of ranks in [1, 8]"),
+    ("policy=quality", "ok"),
 ]
 
 
@@ -64,6 +113,14 @@ def test_spec_rules(spec_parse: Path) -> None:
                          check=True, timeout=60).stdout.splitlines()
     assert len(out) == len(CASES), out
     for (spec, want), got in zip(CASES, out, strict=True):
+        assert got.startswith(want), f"{spec!r}: {got!r}"
+
+
+def test_spec_checks_with_the_model(spec_parse: Path) -> None:
+    out = subprocess.run([str(spec_parse), "--spec-k", "8", "64", *(c for c, _ in CASES_K)], capture_output=True,
+                         text=True, check=True, timeout=60).stdout.splitlines()
+    assert len(out) == len(CASES_K), out
+    for (spec, want), got in zip(CASES_K, out, strict=True):
         assert got.startswith(want), f"{spec!r}: {got!r}"
 
 

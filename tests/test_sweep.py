@@ -38,6 +38,11 @@ def test_grid_points() -> None:
     spec = next(p for p in pts if p.name == "threshold tau=0.1 admit=0.5 evict=lfu slots=4").cache("s.json")
     assert spec.render() == "mode=emulate,slots=4,stats=s.json,rule=threshold,tau=0.1,evict=lfu,admit=0.5"
     assert grid_points(SweepGrid(rules=("fetch-all",), fractions=(0.01,)), info)[0].slots == 2  # at least k
+    # the anchors' rules at their defaults (tau applies to threshold only: zero keeps its own default)
+    anchors = grid_points(SweepGrid(rules=("cache-route", "zero", "ser"), taus=(0.1,), admits=("off",),
+                                    evicts=("classlru",), fractions=(0.5,)), info)
+    assert [p.cache("s.json").render() for p in anchors] == [
+        f"mode=emulate,slots=8,stats=s.json,rule={r},evict=classlru,admit=off" for r in ("cache-route", "zero", "ser")]
     with pytest.raises(HarnessError, match="unknown rule"):
         grid_points(SweepGrid(rules=("lottery",)), info)
     with pytest.raises(HarnessError, match="beta > 0"):

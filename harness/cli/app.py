@@ -158,7 +158,7 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--taus", default=",".join(f"{t:g}" for t in SWEEP_TAUS), help="thresholds of the threshold rule "
                    "(default: %(default)s)")
     w.add_argument("--admits", default="off,0.5", help="admission: off or beta values (default: %(default)s)")
-    w.add_argument("--evicts", default="lfu", help="eviction: lfu, lru (default: %(default)s)")
+    w.add_argument("--evicts", default="lfu", help="eviction: lfu, lru, classlru (default: %(default)s)")
     w.add_argument("--residency", default="25", help="resident percent of each layer's experts "
                    "(default: %(default)s)")
     options.add_ctx(w, 512)

@@ -9,7 +9,12 @@ Per decoded token (ubatch of one):
     t_sync    = sync_layers * layer_roundtrip                              (host route step per MoE layer)
     t_cpu     = cpu_expert_bytes / cpu_bw                                  (stock: experts computed on the CPU)
     t_admit   = max(0, admit_bytes / h2d_bw - t_compute)                   (background copies overlap compute)
-    t         = t_compute + t_fetch + t_sync + t_cpu + t_admit
+    t_host    = host_bytes / cpu_bw + host_experts * host_expert             (light=host: misses computed on the host)
+    t         = t_compute + t_fetch + t_sync + t_cpu + t_admit + t_host
+
+A host-computed expert streams its weights from host memory (host_bytes = its bytes, at cpu_bw, as stock's CPU
+experts) and pays host_expert_us on top: moving the token's activations to the host and the result back and
+the CPU ops' dispatch. It is counted serially (no overlap with the device's compute assumed: an upper bound).
 
 resident_bytes are the weights read from device memory for one token: the non-expert weights plus the k
 selected experts of every MoE layer held on the device.
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 
@@ -43,6 +48,9 @@ class Profile:
     layer_roundtrip_us: float
     layer_fixed_us: float
     cpu_bw_gbs: float
+    # light=host: fixed time per expert computed on the host, beyond streaming its weights at cpu_bw_gbs
+    # (an estimate; the packaged profiles give its basis); profiles written before it existed get this default
+    host_expert_us: float = 20.0
 
 
 def list_profiles() -> list[str]:
@@ -68,7 +76,8 @@ def load_profile_file(path: str | Path) -> Profile:
     except ValueError as e:
         raise HarnessError(f"the hardware profile {path} is not JSON ({e})") from None
     keys = {f.name for f in fields(Profile)}
-    missing = sorted(keys - set(data)) if isinstance(data, dict) else sorted(keys)
+    required = {f.name for f in fields(Profile) if f.default is MISSING}
+    missing = sorted(required - set(data)) if isinstance(data, dict) else sorted(required)
     if missing:
         raise HarnessError(f"the hardware profile {path} lacks {', '.join(missing)}")
     return Profile(**{k: v for k, v in data.items() if k in keys})
@@ -93,6 +102,8 @@ class TokenWork:
     sync_layers: float = 0.0
     cpu_expert_bytes: float = 0.0
     admit_bytes: float = 0.0
+    host_experts: float = 0.0  # light=host: experts computed on the host
+    host_bytes: float = 0.0  # their bytes (streamed from host memory)
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,7 @@ class Estimate:
     sync_ms: float
     cpu_ms: float
     admit_ms: float
+    host_ms: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,13 +127,15 @@ def estimate(profile: Profile, work: TokenWork) -> Estimate:
     sync = work.sync_layers * profile.layer_roundtrip_us * 1e-6
     cpu = work.cpu_expert_bytes / (profile.cpu_bw_gbs * GB)
     admit = max(0.0, work.admit_bytes / (profile.h2d_bw_gbs * GB) - compute)
-    total = compute + fetch + sync + cpu + admit
-    return Estimate(total * 1e3, compute * 1e3, fetch * 1e3, sync * 1e3, cpu * 1e3, admit * 1e3)
+    host = work.host_bytes / (profile.cpu_bw_gbs * GB) + work.host_experts * profile.host_expert_us * 1e-6
+    total = compute + fetch + sync + cpu + admit + host
+    return Estimate(total * 1e3, compute * 1e3, fetch * 1e3, sync * 1e3, cpu * 1e3, admit * 1e3, host * 1e3)
 
 
 def cache_work(info: ModelInfo, fetches_per_token: float, fetch_ops_per_token: float | None = None,
-               admissions_per_token: float = 0.0) -> TokenWork:
-    """Decode with the patched engine: every MoE layer has a host round trip; misses are fetched."""
+               admissions_per_token: float = 0.0, host_computes_per_token: float = 0.0) -> TokenWork:
+    """Decode with the patched engine: every MoE layer has a host round trip; misses are fetched, or computed on
+    the host (light=host)."""
     bpe = info.bytes_per_expert
     return TokenWork(
         n_layers=info.n_layers,
@@ -130,6 +144,8 @@ def cache_work(info: ModelInfo, fetches_per_token: float, fetch_ops_per_token: f
         fetch_ops=fetches_per_token if fetch_ops_per_token is None else fetch_ops_per_token,
         sync_layers=info.n_moe_layers,
         admit_bytes=admissions_per_token * bpe,
+        host_experts=host_computes_per_token,
+        host_bytes=host_computes_per_token * bpe,
     )
 
 
@@ -165,7 +181,8 @@ def _features(w: TokenWork) -> list[float]:
 def calibrate(base: Profile, runs: Sequence[tuple[TokenWork, float]], name: str | None = None) -> Profile:
     """Fit the profile's constants to measured (work, ms per token) pairs by non-negative least squares.
 
-    Background admission is not modelled in the fit (measure with admission off). A constant whose
+    Background admission and host computes are not modelled in the fit (measure with admission off and without
+    light=host). A constant whose
     feature does not vary across the runs cannot be identified; it keeps the base profile's value."""
     if len(runs) < 2:
         raise HarnessError("calibration needs at least two measured runs")

@@ -226,7 +226,8 @@ def run_simulate(trace: Path, model_info: ModelInfo, policies: Sequence[str], re
 
         def ms(run: SimRun) -> float:
             return estimate(prof, cache_work(info, per_token(run, "fetches"),
-                                             admissions_per_token=per_token(run, "admissions"))).ms_per_token
+                                             admissions_per_token=per_token(run, "admissions"),
+                                             host_computes_per_token=per_token(run, "host_computes"))).ms_per_token
 
         fetch_all_ms = ms(runs[BASELINE])
         for p in order:

@@ -97,7 +97,8 @@ def estimate_speeds(plan: ComparePlan, quality: Sequence[QualityRow], profile_na
         if q.config in (FULL, STOCK) or c is None or c.fetches_per_token is None:
             continue
         admissions = (c.admissions or 0) / c.tokens if c.tokens else 0.0
-        ms = estimate(profile, cache_work(info, c.fetches_per_token, admissions_per_token=admissions)).ms_per_token
+        ms = estimate(profile, cache_work(info, c.fetches_per_token, admissions_per_token=admissions,
+                                          host_computes_per_token=c.host_computes_per_token())).ms_per_token
         rows.append(EstimateRow(q.config, ms, stock / ms))
     return tuple(rows)
 

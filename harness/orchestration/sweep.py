@@ -150,7 +150,8 @@ def summarize_sweep(opts: SweepOptions, info: ModelInfo, points: Sequence[SweepP
         est = None
         if c is not None and c.fetches_per_token is not None:
             adm = (c.admissions or 0) / c.tokens if c.tokens else 0.0
-            est = estimate(profile, cache_work(info, c.fetches_per_token, admissions_per_token=adm)).ms_per_token
+            est = estimate(profile, cache_work(info, c.fetches_per_token, admissions_per_token=adm,
+                                               host_computes_per_token=c.host_computes_per_token())).ms_per_token
         rows.append(SweepRow(p, q.ppl, q.delta, c.substitution_rate if c else None,
                              c.substituted_mass if c else None, c.fetches_per_token if c else None, est))
     front = pareto_front([(r.point.name, r.est_ms_per_token, r.delta.delta_pct) for r in rows

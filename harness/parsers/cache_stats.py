@@ -19,12 +19,13 @@ from harness.parsers.base import ParseError
 SCHEMA = "moe-subst/expert-cache-stats"
 SCHEMA_VERSION = 1
 # the counter table of src/include/llama-expert-counters.h, in its order
-POLICY_COUNTERS = ("calls", "hits", "misses", "fetches", "substitutions", "drops", "admissions", "evictions",
-                   "subst_first_choice", "forced_substitutions", "token_layers", "token_layers_with_subst")
+POLICY_COUNTERS = ("calls", "hits", "misses", "fetches", "substitutions", "drops", "host_computes", "skips",
+                   "admissions", "evictions", "subst_first_choice", "forced_substitutions", "token_layers",
+                   "token_layers_with_subst")
 ENGINE_COUNTERS = ("copied_experts", "copies", "copy_bytes", "copy_ns", "background_experts", "deferred_experts",
                    "wait_ns", "file_reads", "file_read_bytes", "file_read_ns")
 _RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rate")
-_COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens")
+_COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens", "host_computes")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class CacheStats:
     admissions: int | None = None
     tokens: int | None = None
     policy: str = ""  # the preset name, or "custom"
+    host_computes: int | None = None  # misses computed on the host (light=host)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (*_RATES, *_COUNTS, "policy")}
@@ -50,6 +52,10 @@ class CacheStats:
         """The inverse of `as_dict` (for records read back from results.jsonl)."""
         return CacheStats(d.get("substitution_rate"), d.get("substituted_mass"), d.get("fetches_per_token"), "",
                           **{k: d.get(k) for k in ("hit_rate", *_COUNTS)}, policy=str(d.get("policy", "")))
+
+    def host_computes_per_token(self) -> float:
+        """Misses computed on the host per token (0 for records of builds without the counter)."""
+        return (self.host_computes or 0) / self.tokens if self.tokens else 0.0
 
 
 def parse_cache_stats(text: str) -> CacheStats:

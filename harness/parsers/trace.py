@@ -29,7 +29,8 @@ TRACE_HEADER_SIZE = 64
 ACTION_HIT = 0
 ACTION_FETCH = 1
 ACTION_SUBSTITUTE = 2
-ACTION_DROP = 3
+ACTION_DROP = 3  # a dropped miss, or a selection skipped by rule=ser
+ACTION_HOST = 4  # computed on the host with the missed expert (light=host)
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,6 +153,7 @@ class RecordedActions:
     substitutions: int
     drops: int
     subst_mass_sum: float  # sum of the gate weights of substituted experts
+    host_computes: int = 0
 
 
 def recorded_actions(trace: ExpertTrace) -> RecordedActions:
@@ -163,7 +165,7 @@ def recorded_actions(trace: ExpertTrace) -> RecordedActions:
         token_layers=len(trace.records), calls=int(act.size),
         hits=int((act == ACTION_HIT).sum()), fetches=int((act == ACTION_FETCH).sum()),
         substitutions=int(sub.sum()), drops=int((act == ACTION_DROP).sum()),
-        subst_mass_sum=float((w * sub).sum()))
+        subst_mass_sum=float((w * sub).sum()), host_computes=int((act == ACTION_HOST).sum()))
 
 
 def synthetic_trace(*, n_layer: int, n_expert: int, k: int, n_tokens: int, top_m: int = 16, n_slots: int = 0,

@@ -16,6 +16,8 @@
     X(fetches,                 fetches,                 "misses fetched synchronously") \
     X(substitutions,           substitutions,           "misses computed by a resident substitute") \
     X(drops,                   drops,                   "misses dropped") \
+    X(host_computes,           host_computes,           "misses computed on the host with the missed expert (light=host)") \
+    X(skips,                   skips,                   "selections skipped by rule=ser before the cache (resident or not)") \
     X(admissions,              admissions,              "background admissions") \
     X(evictions,               evictions,               "experts evicted") \
     X(subst_first_choice,      subst_first_choice,      "substitutions of a first choice (rank 0)") \

@@ -104,6 +104,12 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
         throw std::runtime_error(prefix + "slots=" + std::to_string(n_slots) + " is fewer than the " +
             std::to_string(n_used) + " experts used per token; give at least " + std::to_string(n_used));
     }
+    {
+        std::string err;
+        if (!llama_expert_cache_config_check_k(cfg, n_used, n_expert, err)) {
+            throw std::runtime_error(prefix + err);
+        }
+    }
 
     // small multi-token ubatches computed from the banks together: their experts (at most group*k) must fit
     group_max = cfg.group < 0 ? n_slots / n_used : std::min(cfg.group, n_slots / n_used);
@@ -168,6 +174,28 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     LLAMA_LOG_INFO("%s: mode = %s, policy = %s (rule = %s, tau = %.3f, evict = %s, admit = %s, beta = %.3f, lfu halving every %u tokens)\n",
         __func__, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), llama_expert_miss_rule_name(cfg.rule),
         cfg.tau, llama_expert_evict_name(cfg.evict), cfg.admit ? "on" : "off", cfg.beta, cfg.lfu_halve);
+    switch (cfg.rule) {
+        case LLAMA_EXPERT_MISS_CACHE_ROUTE:
+            LLAMA_LOG_INFO("%s: cache-route: ranks < %d always computed, substitutes from the router's top %d, alpha = %.3f, light misses %s\n",
+                __func__, cfg.route_j, cfg.route_m > 0 ? cfg.route_m : std::min(n_expert, 2*n_used), cfg.route_alpha,
+                cfg.light_host ? "on the host" : "substituted");
+            break;
+        case LLAMA_EXPERT_MISS_SER:
+            LLAMA_LOG_INFO("%s: ser: kmin = %d, t = %.3f, renorm = %s\n", __func__, cfg.ser_kmin, cfg.ser_t, cfg.renorm ? "on" : "off");
+            break;
+        case LLAMA_EXPERT_MISS_ZERO:
+        case LLAMA_EXPERT_MISS_DROP:
+            LLAMA_LOG_INFO("%s: renorm = %s\n", __func__, cfg.renorm ? "on" : "off");
+            break;
+        default:
+            if (cfg.light_host) {
+                LLAMA_LOG_INFO("%s: light misses computed on the host\n", __func__);
+            }
+            break;
+    }
+    if (cfg.evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
+        LLAMA_LOG_INFO("%s: classlru: half-life %u tokens, %u classes\n", __func__, cfg.classlru_half_life, cfg.classlru_classes);
+    }
     LLAMA_LOG_INFO("%s: %d of %d experts resident per layer (%.1f%%), %d used per token, %d MoE layers%s%s\n",
         __func__, n_slots, n_expert, 100.0 * n_slots / n_expert, n_used, n_moe,
         cfg.profile.empty() ? "" : ", initial residency from ", cfg.profile.c_str());
@@ -393,6 +421,7 @@ static void route_engine(llama_expert_cache_layer & L, ggml_tensor * dst, int32_
             const int32_t * out = (const int32_t *) ((const char *) dst->data + t*dst->nb[1]);
             const uint8_t * act = L.actions.data() + t*k;
             for (int32_t r = 0; r < k; ++r) {
+                GGML_ASSERT(act[r] != LLAMA_EXPERT_ACTION_HOST && "light=host is refused in mode=engine");
                 if (act[r] != LLAMA_EXPERT_ACTION_DROP) {
                     L.fetched.push_back(out[r]);
                 }
@@ -446,6 +475,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         // prefill bypass: stock routing with the full expert tensors, then warm the residency
         L.warm_counts.assign(E, 0);
         L.actions.assign((size_t) T * k, LLAMA_EXPERT_ACTION_HIT);
+        L.scales.assign((size_t) T * k, 1.0f);
         for (int64_t t = 0; t < T; ++t) {
             const int32_t * id  = (const int32_t *) ((const char *) ids->data + t*ids->nb[1]);
             int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
@@ -475,6 +505,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     }
 
     L.actions.resize((size_t) T * k);
+    L.scales.resize((size_t) T * k);
     L.w.resize(k);
     if (need_probs) {
         L.probs.resize(E);
@@ -488,6 +519,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         const float   * lg = (const float   *) ((const char *) logits->data + t*logits->nb[1]);
         int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
         uint8_t       * act = L.actions.data() + t*k;
+        float         * sc  = L.scales.data() + t*k;
         float         * w   = L.w.data();
 
         for (int32_t r = 0; r < k; ++r) {
@@ -496,7 +528,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
         const float * scores = route_gate(L, id, lg, bias ? (const float *) bias->data : nullptr, k, E, need_probs);
 
-        L.policy.decide(id, w, k, scores, out, act);
+        L.policy.decide(id, w, k, scores, out, act, sc);
 
         if (cache.trace) {
             cache.trace_write(L, (uint32_t) (L.policy.tick - 1), id, w, out, act, bias ? scores : L.probs.data());
@@ -523,11 +555,9 @@ static void llama_expert_cache_keep(ggml_tensor * dst, int ith, int nth, void * 
     }
     const auto & L = *(const llama_expert_cache_layer *) userdata;
     const int64_t n = ggml_nelements(dst);
-    GGML_ASSERT((int64_t) L.actions.size() == n);
-    float * keep = (float *) dst->data;
-    for (int64_t i = 0; i < n; ++i) {
-        keep[i] = L.actions[i] == LLAMA_EXPERT_ACTION_DROP ? 0.0f : 1.0f;
-    }
+    GGML_ASSERT((int64_t) L.scales.size() == n);
+    // the policy's factors: 0 for a drop or a skip, alpha for a cache-route substitute, renorm, else 1
+    std::memcpy(dst->data, L.scales.data(), n * sizeof(float));
 }
 
 ggml_tensor * llama_expert_cache::build_route(
@@ -577,7 +607,7 @@ ggml_tensor * llama_expert_cache::build_route(
             args, exp_probs_b ? 3 : 2, llama_expert_cache_route, 1, &L);
     ggml_format_name(route, "moe_cache_route-%d", il);
 
-    if (cfg.rule == LLAMA_EXPERT_MISS_DROP) {
+    if (llama_expert_cache_config_scales_weights(cfg)) {
         ggml_tensor * kargs[1] = { route };
         *keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, ids->ne[0], ids->ne[1], 1,
                 kargs, 1, llama_expert_cache_keep, 1, &L);
@@ -689,12 +719,14 @@ void llama_expert_cache::print_stats() const {
     }
     LLAMA_LOG_INFO("%s: expert cache (%s, policy %s, %d/%d slots): %llu token-layers, %llu calls: "
         "hits %.2f%%, misses %.2f%%, fetches %llu, substitutions %llu (%.2f%%, %llu first choices, max weight %.3f), "
-        "drops %llu, admissions %llu, evictions %llu, mean substituted mass %.4f, route step %.3f us per token-layer\n",
+        "drops %llu, host computes %llu, skips %llu, admissions %llu, evictions %llu, mean substituted mass %.4f, "
+        "route step %.3f us per token-layer\n",
         __func__, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), n_slots, n_expert,
         (unsigned long long) t.token_layers, (unsigned long long) t.calls,
         100.0 * ratio(t.hits, t.calls), 100.0 * ratio(t.misses, t.calls), (unsigned long long) t.fetches,
         (unsigned long long) t.substitutions, 100.0 * ratio(t.substitutions, t.calls), (unsigned long long) t.subst_first_choice,
-        t.max_subst_weight, (unsigned long long) t.drops, (unsigned long long) t.admissions, (unsigned long long) t.evictions,
+        t.max_subst_weight, (unsigned long long) t.drops, (unsigned long long) t.host_computes, (unsigned long long) t.skips,
+        (unsigned long long) t.admissions, (unsigned long long) t.evictions,
         t.token_layers ? t.subst_mass_sum / t.token_layers : 0.0, route_tokens ? 1e-3 * route_ns / route_tokens : 0.0);
     if (engine) {
         const auto e = engine->total();
@@ -765,6 +797,15 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "    \"admit\": %s,\n", cfg.admit ? "true" : "false");
     fprintf(f, "    \"beta\": %.9g,\n", cfg.beta);
     fprintf(f, "    \"lfu_halve\": %u,\n", cfg.lfu_halve);
+    fprintf(f, "    \"classlru_half_life\": %u,\n", cfg.classlru_half_life);
+    fprintf(f, "    \"classlru_classes\": %u,\n", cfg.classlru_classes);
+    fprintf(f, "    \"route_j\": %d,\n", cfg.route_j);
+    fprintf(f, "    \"route_m\": %d,\n", cfg.route_m > 0 ? cfg.route_m : std::min(n_expert, 2*n_used));
+    fprintf(f, "    \"route_alpha\": %.9g,\n", cfg.route_alpha);
+    fprintf(f, "    \"ser_kmin\": %d,\n", cfg.ser_kmin);
+    fprintf(f, "    \"ser_t\": %.9g,\n", cfg.ser_t);
+    fprintf(f, "    \"renorm\": %s,\n", cfg.renorm ? "true" : "false");
+    fprintf(f, "    \"light\": \"%s\",\n", cfg.light_host ? "host" : "substitute");
     fprintf(f, "    \"slots\": %d,\n", n_slots);
     fprintf(f, "    \"n_expert\": %d,\n", n_expert);
     fprintf(f, "    \"n_expert_used\": %d,\n", n_used);

@@ -54,8 +54,9 @@ struct llama_expert_cache_layer {
     std::vector<uint32_t> warm_counts;
     std::vector<int32_t>  fetched; // engine: the experts a ubatch computes with (scratch)
 
-    // actions of the last ubatch, [n_tokens][k]
+    // actions of the last ubatch, [n_tokens][k], and the factors for the gate weights (llama_expert_layer_policy::decide)
     std::vector<uint8_t> actions;
+    std::vector<float>   scales;
 
     // scratch
     std::vector<float>   probs;
@@ -79,7 +80,8 @@ struct llama_expert_cache {
     // The hook in llm_graph_context::build_moe_ffn, after the router: builds the route step of layer il
     // (build_route) and rewires the layer's expert computation to it: `selected` becomes the route step's ids
     // (experts in emulate mode, cache slots in engine mode, where every routed-expert tensor of the layer in
-    // `expert_tensors` is replaced by its cache bank), `weights` is multiplied by the drop rule's 0/1 factors.
+    // `expert_tensors` is replaced by its cache bank), `weights` is multiplied by the policy's factors (drops and
+    // skips 0, cache-route's alpha, renorm) when the rule can change them.
     // Unchanged when no route step applies (warmup, more experts per token than slots).
     void build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits, ggml_tensor * exp_probs_b,
             llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected, ggml_tensor *& weights,
@@ -101,8 +103,9 @@ struct llama_expert_cache {
     // Build the route step for layer il. ids: the selected experts [k, n_tokens] (I32); logits: the router
     // logits [n_expert, n_tokens] (F32, after any router bias); exp_probs_b: the selection bias or null.
     // Returns the ids tensor the expert ops must use, or `ids` itself when no route step applies to this
-    // graph (warmup, or more experts per token than slots). When the rule drops experts, *keep is set to
-    // an F32 [1, k, n_tokens] tensor of 0/1 factors for the gate weights (else null).
+    // graph (warmup, or more experts per token than slots). When the rule can change the gate weights (drops,
+    // skips, alpha, renorm: llama_expert_cache_config_scales_weights), *keep is set to an F32 [1, k, n_tokens]
+    // tensor of factors for the gate weights (else null).
     ggml_tensor * build_route(
             ggml_context * ctx,
             ggml_tensor  * ids,

@@ -14,7 +14,9 @@
 //
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
-    "mode, policy, rule, tau, evict, admit, halve, slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, trace_top";
+    "mode, policy, rule, tau, tau_file, j, m, alpha, kmin, t, renorm, light, evict, admit, halve, half_life, classes, "
+    "slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, "
+    "trace_top";
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
     switch (rule) {
@@ -23,6 +25,9 @@ const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
         case LLAMA_EXPERT_MISS_FIRST_CHOICE:   return "first-choice";
         case LLAMA_EXPERT_MISS_SUBSTITUTE_ALL: return "substitute-all";
         case LLAMA_EXPERT_MISS_DROP:           return "drop";
+        case LLAMA_EXPERT_MISS_CACHE_ROUTE:    return "cache-route";
+        case LLAMA_EXPERT_MISS_ZERO:           return "zero";
+        case LLAMA_EXPERT_MISS_SER:            return "ser";
     }
     return "?";
 }
@@ -31,6 +36,7 @@ const char * llama_expert_evict_name(llama_expert_evict evict) {
     switch (evict) {
         case LLAMA_EXPERT_EVICT_LFU: return "lfu";
         case LLAMA_EXPERT_EVICT_LRU: return "lru";
+        case LLAMA_EXPERT_EVICT_CLASSLRU: return "classlru";
     }
     return "?";
 }
@@ -207,6 +213,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     }
 
     bool explicit_rule = false;
+    bool explicit_tau  = false;
     for (const auto & [key, val] : kv) {
         if (key == "policy") {
             continue;
@@ -227,8 +234,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             else if (val == "first-choice")   { cfg.rule = LLAMA_EXPERT_MISS_FIRST_CHOICE; }
             else if (val == "substitute-all") { cfg.rule = LLAMA_EXPERT_MISS_SUBSTITUTE_ALL; }
             else if (val == "drop")           { cfg.rule = LLAMA_EXPERT_MISS_DROP; }
+            else if (val == "cache-route")    { cfg.rule = LLAMA_EXPERT_MISS_CACHE_ROUTE; }
+            else if (val == "zero")           { cfg.rule = LLAMA_EXPERT_MISS_ZERO; }
+            else if (val == "ser")            { cfg.rule = LLAMA_EXPERT_MISS_SER; }
             else {
-                return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop");
+                return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop, cache-route, zero, ser");
             }
             explicit_rule = true;
         } else if (key == "tau" || key == "tau_file") {
@@ -236,13 +246,80 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
                 return bad_value(err, key, val, "a number in [0, 1]");
             }
-            (key == "tau" ? cfg.tau : cfg.tau_file) = v;
-        } else if (key == "evict") {
-            if      (val == "lfu") { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
-            else if (val == "lru") { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
-            else {
-                return bad_value(err, key, val, "lfu, lru");
+            if (key == "tau") {
+                cfg.tau = v;
+                explicit_tau = true;
+            } else {
+                cfg.tau_file = v;
             }
+        } else if (key == "j") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v > 65536) {
+                return bad_value(err, key, val, "a number of ranks in [0, k] always computed");
+            }
+            cfg.route_j = (int32_t) v;
+        } else if (key == "m") {
+            uint64_t v;
+            if (val == "auto") {
+                cfg.route_m = 0;
+            } else if (parse_uint(val, v) && v >= 1 && v <= 1000000) {
+                cfg.route_m = (int32_t) v;
+            } else {
+                return bad_value(err, key, val, "a window of router ranks in [k, n_expert], or auto (2k)");
+            }
+        } else if (key == "alpha") {
+            float v;
+            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
+                return bad_value(err, key, val, "a weight scale in [0, 1]");
+            }
+            cfg.route_alpha = v;
+        } else if (key == "kmin") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v < 1 || v > 65536) {
+                return bad_value(err, key, val, "a number of ranks in [1, k] always computed");
+            }
+            cfg.ser_kmin = (int32_t) v;
+        } else if (key == "t") {
+            float v;
+            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
+                return bad_value(err, key, val, "a ratio to the first choice's gate weight in [0, 1]");
+            }
+            cfg.ser_t = v;
+        } else if (key == "renorm") {
+            if (val == "on") {
+                cfg.renorm = true;
+            } else if (val == "off") {
+                cfg.renorm = false;
+            } else {
+                return bad_value(err, key, val, "on (rescale the computed experts to the weight sum of all k) or off");
+            }
+        } else if (key == "light") {
+            if (val == "host") {
+                cfg.light_host = true;
+            } else if (val == "substitute") {
+                cfg.light_host = false;
+            } else {
+                return bad_value(err, key, val, "substitute (a resident expert computes instead) or host (the host computes the missed expert)");
+            }
+        } else if (key == "evict") {
+            if      (val == "lfu")      { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
+            else if (val == "lru")      { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
+            else if (val == "classlru") { cfg.evict = LLAMA_EXPERT_EVICT_CLASSLRU; }
+            else {
+                return bad_value(err, key, val, "lfu, lru, classlru");
+            }
+        } else if (key == "half_life") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v < 1 || v > UINT32_MAX) {
+                return bad_value(err, key, val, "a number of tokens >= 1");
+            }
+            cfg.classlru_half_life = (uint32_t) v;
+        } else if (key == "classes") {
+            uint64_t v;
+            if (!parse_uint(val, v) || v < 1 || v > 32) {
+                return bad_value(err, key, val, "a number of classes in [1, 32]");
+            }
+            cfg.classlru_classes = (uint32_t) v;
         } else if (key == "admit") {
             float v;
             if (val == "off") {
@@ -359,14 +436,56 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     if (explicit_rule) {
         cfg.preset = "custom";
     }
+    if (cfg.rule == LLAMA_EXPERT_MISS_ZERO && !explicit_tau) {
+        cfg.tau = 0.03f; // colibri DEGRADE_ZERO's default
+    }
+    const llama_expert_miss_rule rule = cfg.rule;
+    const bool rule_drops      = rule == LLAMA_EXPERT_MISS_DROP || rule == LLAMA_EXPERT_MISS_ZERO || rule == LLAMA_EXPERT_MISS_SER;
+    const bool rule_substitutes = rule == LLAMA_EXPERT_MISS_THRESHOLD || rule == LLAMA_EXPERT_MISS_FIRST_CHOICE ||
+        rule == LLAMA_EXPERT_MISS_SUBSTITUTE_ALL || rule == LLAMA_EXPERT_MISS_CACHE_ROUTE;
     for (const auto & [key, val] : kv) {
-        if ((key == "tau" || key == "tau_file") && cfg.rule != LLAMA_EXPERT_MISS_THRESHOLD) {
-            err = key + " applies to rule=threshold (policy=quality), not to rule=" +
-                llama_expert_miss_rule_name(cfg.rule) + ": remove " + key + ", or use rule=threshold";
+        if (key == "tau_file" && rule != LLAMA_EXPERT_MISS_THRESHOLD) {
+            err = std::string("tau_file applies to rule=threshold (policy=quality), not to rule=") +
+                llama_expert_miss_rule_name(rule) + ": remove tau_file, or use rule=threshold";
             return false;
         }
         if (key == "tau_file" && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
             err = "tau_file is the threshold for misses read from the model file: it needs host=file";
+            return false;
+        }
+        if (key == "tau" && rule != LLAMA_EXPERT_MISS_THRESHOLD && rule != LLAMA_EXPERT_MISS_ZERO) {
+            err = std::string("tau applies to rule=threshold (policy=quality) or rule=zero, not to rule=") +
+                llama_expert_miss_rule_name(rule) + ": remove tau, or use rule=threshold";
+            return false;
+        }
+        if ((key == "j" || key == "m" || key == "alpha") && rule != LLAMA_EXPERT_MISS_CACHE_ROUTE) {
+            err = key + " applies to rule=cache-route, not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
+                ", or use rule=cache-route";
+            return false;
+        }
+        if ((key == "m" || key == "alpha") && cfg.light_host) {
+            err = key + " chooses and weighs substitutes, and light=host computes every light miss on the host: remove " +
+                key + ", or use light=substitute";
+            return false;
+        }
+        if ((key == "kmin" || key == "t") && rule != LLAMA_EXPERT_MISS_SER) {
+            err = key + " applies to rule=ser, not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
+                ", or use rule=ser";
+            return false;
+        }
+        if (key == "renorm" && !rule_drops) {
+            err = std::string("renorm applies to the rules that drop (drop, zero, ser), not to rule=") +
+                llama_expert_miss_rule_name(rule) + ": remove renorm";
+            return false;
+        }
+        if (key == "light" && !rule_substitutes) {
+            err = std::string("light applies to the rules that substitute (threshold, first-choice, substitute-all, "
+                "cache-route), not to rule=") + llama_expert_miss_rule_name(rule) + ": remove light";
+            return false;
+        }
+        if ((key == "half_life" || key == "classes") && cfg.evict != LLAMA_EXPERT_EVICT_CLASSLRU) {
+            err = key + " applies to evict=classlru, not to evict=" + llama_expert_evict_name(cfg.evict) + ": remove " + key +
+                ", or use evict=classlru";
             return false;
         }
         if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF && key != "mode") {
@@ -398,7 +517,41 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             }
         }
     }
+    if (cfg.light_host && cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
+        err = "light=host (experts computed on the host) is not implemented in mode=engine yet: use mode=emulate, or light=substitute";
+        return false;
+    }
     return true;
+}
+
+bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, int32_t k, int32_t n_expert, std::string & err) {
+    const std::string ks = std::to_string(k), es = std::to_string(n_expert);
+    if (cfg.rule == LLAMA_EXPERT_MISS_CACHE_ROUTE) {
+        if (cfg.route_j > k) {
+            return bad_value(err, "j", std::to_string(cfg.route_j), ("a number of ranks in [0, " + ks + "], the experts used per token").c_str());
+        }
+        if (cfg.route_m != 0 && (cfg.route_m < k || cfg.route_m > n_expert)) {
+            return bad_value(err, "m", std::to_string(cfg.route_m),
+                ("a window of router ranks in [" + ks + ", " + es + "] (the experts used per token, the experts per layer), or auto").c_str());
+        }
+    }
+    if (cfg.rule == LLAMA_EXPERT_MISS_SER && cfg.ser_kmin > k) {
+        return bad_value(err, "kmin", std::to_string(cfg.ser_kmin), ("a number of ranks in [1, " + ks + "], the experts used per token").c_str());
+    }
+    return true;
+}
+
+bool llama_expert_cache_config_scales_weights(const llama_expert_cache_config & cfg) {
+    switch (cfg.rule) {
+        case LLAMA_EXPERT_MISS_DROP:
+        case LLAMA_EXPERT_MISS_ZERO:
+        case LLAMA_EXPERT_MISS_SER:
+            return true;
+        case LLAMA_EXPERT_MISS_CACHE_ROUTE:
+            return cfg.route_alpha != 1.0f;
+        default:
+            return false;
+    }
 }
 
 int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
@@ -439,6 +592,15 @@ void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const 
     admit     = cfg.admit;
     beta      = cfg.beta;
     lfu_halve = cfg.lfu_halve;
+    classlru_half_life = cfg.classlru_half_life;
+    classlru_classes   = cfg.classlru_classes;
+    route_j     = cfg.route_j;
+    route_m     = cfg.route_m;
+    route_alpha = cfg.route_alpha;
+    ser_kmin    = cfg.ser_kmin;
+    ser_t       = cfg.ser_t;
+    renorm      = cfg.renorm;
+    light_host  = cfg.light_host;
 
     initial.resize(n_slots);
     for (int32_t s = 0; s < n_slots; ++s) {
@@ -468,6 +630,8 @@ void llama_expert_layer_policy::reset() {
     last_use.assign(n_expert, 0);
     admit_acc.assign(n_expert, 0.0);
     sel_total.assign(n_expert, 0);
+    decay_count.assign(n_expert, 0.0);
+    decay_tick.assign(n_expert, 0);
     sel_mark.assign(n_expert, 0);
     sub_mark.assign(n_expert, 0);
     hold_mark.assign(n_expert, 0);
@@ -475,6 +639,8 @@ void llama_expert_layer_policy::reset() {
     in_group = false;
     cand.clear();
     cand_tick = 0;
+    window.clear();
+    window_tick = 0;
     pending.clear();
     tick  = 0;
     stats = llama_expert_policy_stats();
@@ -501,9 +667,72 @@ void llama_expert_layer_policy::place(int32_t e, int32_t slot) {
     admit_acc[e]    = 0.0;
 }
 
+double llama_expert_layer_policy::classlru_count(int32_t e) const {
+    // exact exponential decay, applied lazily: the count as of decay_tick, halved every half_life ticks since
+    return decay_count[e] * std::exp2(-(double) (tick - decay_tick[e]) / (double) classlru_half_life);
+}
+
+int32_t llama_expert_layer_policy::classlru_class(int32_t e) const {
+    const double c = classlru_count(e);
+    if (!(c >= 2.0)) {
+        return 0; // floor(log2(c)) <= 0
+    }
+    int ex = 0;
+    std::frexp(c, &ex); // c = f * 2^ex, f in [0.5, 1): floor(log2(c)) = ex - 1, exactly
+    return std::min<int32_t>(ex - 1, (int32_t) classlru_classes - 1);
+}
+
+void llama_expert_layer_policy::count_use(int32_t e, double n) {
+    if (n == 0.0) {
+        return;
+    }
+    use_count[e] += (uint32_t) n;
+    if (evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
+        decay_count[e] = classlru_count(e) + n;
+        decay_tick[e]  = tick;
+    }
+}
+
 int32_t llama_expert_layer_policy::find_slot() {
     int32_t best    = -1;
     int32_t best_e  = -1;
+    if (evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
+        // ClassLRU: the least recently used evictable expert of each class (ties: lowest id), then among those
+        // the largest age / 2^class (ties: the lower class)
+        int32_t head[32];
+        std::fill(head, head + 32, -1);
+        for (int32_t s = 0; s < n_slots; ++s) {
+            const int32_t e = expert_of[s];
+            if (e < 0) {
+                return s;
+            }
+            if (sel_mark[e] == tick || sub_mark[e] == tick || (in_group && hold_mark[e] == group)) {
+                continue;
+            }
+            const int32_t c = classlru_class(e);
+            const int32_t h = head[c];
+            if (h < 0 || last_use[e] < last_use[h] || (last_use[e] == last_use[h] && e < h)) {
+                head[c] = e;
+            }
+        }
+        double best_key = -1.0;
+        for (int32_t c = 0; c < (int32_t) classlru_classes; ++c) {
+            const int32_t e = head[c];
+            if (e < 0) {
+                continue;
+            }
+            const double key = std::ldexp((double) (tick - last_use[e]), -c);
+            if (key > best_key) {
+                best_key = key;
+                best_e   = e;
+            }
+        }
+        if (best_e < 0) {
+            return -1;
+        }
+        stats.evictions++;
+        return slot_of[best_e];
+    }
     for (int32_t s = 0; s < n_slots; ++s) {
         const int32_t e = expert_of[s];
         if (e < 0) {
@@ -594,6 +823,29 @@ int32_t llama_expert_layer_policy::find_substitute(const float * scores, bool al
     return best;
 }
 
+int32_t llama_expert_layer_policy::find_route_substitute(const float * scores, int32_t k) {
+    // the router's top m of this token (score descending, ties: lowest id), built on the first need
+    if (window_tick != tick) {
+        const int32_t m = std::min(n_expert, route_m > 0 ? route_m : 2*k);
+        window.resize(n_expert);
+        for (int32_t e = 0; e < n_expert; ++e) {
+            window[e] = e;
+        }
+        std::partial_sort(window.begin(), window.begin() + m, window.end(), [scores](int32_t a, int32_t b) {
+            return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+        });
+        window.resize(m);
+        window_tick = tick;
+    }
+    // the best of them that is resident, not selected by the token and not yet one of its substitutes
+    for (int32_t e : window) {
+        if (slot_of[e] >= 0 && sel_mark[e] != tick && sub_mark[e] != tick) {
+            return e;
+        }
+    }
+    return -1;
+}
+
 void llama_expert_layer_policy::begin_group() {
     ++group;
     in_group = true;
@@ -604,7 +856,7 @@ void llama_expert_layer_policy::end_group() {
 }
 
 void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int32_t k, const float * scores,
-                                       int32_t * out_ids, uint8_t * out_actions) {
+                                       int32_t * out_ids, uint8_t * out_actions, float * out_scale) {
     ++tick;
     for (int32_t r = 0; r < k; ++r) {
         sel_mark[ids[r]] = tick;
@@ -616,8 +868,20 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
     for (int32_t r = 0; r < k; ++r) {
         const int32_t e = ids[r];
         stats.calls++;
-        use_count[e]++;
+        count_use(e, 1.0);
         sel_total[e]++;
+        if (out_scale) {
+            out_scale[r] = 1.0f;
+        }
+
+        // SER (cache-unaware): a rank after the first kmin runs only if its weight is > t * the first choice's
+        if (rule == LLAMA_EXPERT_MISS_SER && r >= ser_kmin && !(w[r] > ser_t * w[0])) {
+            stats.skips++;
+            drop_mass     += w[r];
+            out_ids[r]     = e;
+            out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
+            continue;
+        }
 
         if (slot_of[e] >= 0) {
             stats.hits++;
@@ -629,7 +893,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
 
         stats.misses++;
 
-        if (rule == LLAMA_EXPERT_MISS_DROP) {
+        if (rule == LLAMA_EXPERT_MISS_DROP || (rule == LLAMA_EXPERT_MISS_ZERO && w[r] < tau)) {
             stats.drops++;
             drop_mass     += w[r];
             out_ids[r]     = e;
@@ -643,13 +907,30 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             case LLAMA_EXPERT_MISS_THRESHOLD:      want_fetch = r == 0 || w[r] >= tau; break;
             case LLAMA_EXPERT_MISS_FIRST_CHOICE:   want_fetch = r == 0; break;
             case LLAMA_EXPERT_MISS_SUBSTITUTE_ALL: want_fetch = false; break;
+            case LLAMA_EXPERT_MISS_CACHE_ROUTE:    want_fetch = r < route_j; break;
+            case LLAMA_EXPERT_MISS_ZERO:           want_fetch = true; break;
+            case LLAMA_EXPERT_MISS_SER:            want_fetch = true; break;
             case LLAMA_EXPERT_MISS_DROP:           break;
+        }
+
+        if (!want_fetch && light_host) {
+            // a light miss computed on the host with the missed expert itself: exact, the residency is unchanged
+            stats.host_computes++;
+            out_ids[r]     = e;
+            out_actions[r] = LLAMA_EXPERT_ACTION_HOST;
+            if (admit) {
+                admit_acc[e] += w[r];
+                if (admit_acc[e] >= beta) {
+                    pending.push_back(e);
+                }
+            }
+            continue;
         }
 
         int32_t sub = -1;
         if (!want_fetch) {
-            sub = find_substitute(scores, false);
-            // no resident expert available: fetch
+            sub = rule == LLAMA_EXPERT_MISS_CACHE_ROUTE ? find_route_substitute(scores, k) : find_substitute(scores, false);
+            // no resident expert available (cache-route: none within the router's top m): fetch
         }
         if (sub < 0) {
             const int32_t slot = find_slot();
@@ -677,7 +958,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
             continue;
         }
-        // substitute: the resident expert computes with the missed expert's gate weight
+        // substitute: the resident expert computes with the missed expert's gate weight (cache-route: times alpha)
         stats.substitutions++;
         if (r == 0) {
             stats.subst_first_choice++;
@@ -688,6 +969,9 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         last_use[sub]  = tick;
         out_ids[r]     = sub;
         out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
+        if (out_scale && rule == LLAMA_EXPERT_MISS_CACHE_ROUTE) {
+            out_scale[r] = route_alpha;
+        }
 
         if (admit) {
             admit_acc[e] += w[r];
@@ -697,10 +981,38 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         }
     }
 
+    // a drop or a skip computes with gate weight 0
+    if (out_scale) {
+        for (int32_t r = 0; r < k; ++r) {
+            if (out_actions[r] == LLAMA_EXPERT_ACTION_DROP) {
+                out_scale[r] = 0.0f;
+            }
+        }
+    }
+
+    // renorm=on: the computed selections take the weight of all k (their weights times sum / kept sum)
+    if (renorm && out_scale) {
+        double sum = 0.0, kept = 0.0;
+        for (int32_t r = 0; r < k; ++r) {
+            sum += w[r];
+            if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP) {
+                kept += w[r];
+            }
+        }
+        if (kept > 0.0 && kept < sum) {
+            const float f = (float) (sum / kept);
+            for (int32_t r = 0; r < k; ++r) {
+                if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP) {
+                    out_scale[r] *= f;
+                }
+            }
+        }
+    }
+
     if (in_group) {
         // the experts this token computes with stay resident until the group ends
         for (int32_t r = 0; r < k; ++r) {
-            if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP) {
+            if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP && out_actions[r] != LLAMA_EXPERT_ACTION_HOST) {
                 hold_mark[out_ids[r]] = group;
             }
         }
@@ -818,7 +1130,7 @@ void llama_expert_policy_warm(llama_expert_layer_policy & p, const std::vector<u
     std::vector<int32_t> order(E);
     for (int32_t e = 0; e < E; ++e) {
         order[e] = e;
-        p.use_count[e] += counts[e];
+        p.count_use(e, (double) counts[e]);
         p.sel_total[e] += counts[e];
     }
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return counts[a] > counts[b]; });

@@ -6,9 +6,31 @@
 // replayed by a simulator on recorded router traces:
 //   - the configuration (one spec string, parsed in one place),
 //   - per MoE layer: a residency table (expert <-> slot), the miss rules, the substitute choice,
-//     eviction (LFU with periodic halving, or LRU), background admission, and statistics.
+//     eviction (LFU with periodic halving, LRU, or ClassLRU), background admission, and statistics.
 //
 // Decisions are taken token by token in decode order and, within a token, rank by rank.
+//
+// The anchors' policies (docs/expert-cache.md "The anchors' policies"; implemented from their descriptions in
+// the moe-subst design notes, not from their code):
+//   - evict=classlru, upstream llama.cpp's expert cache eviction (PR #31233): every expert of a layer has a use
+//     count, +1 per router selection, decaying with a half-life of `half_life` tokens of the layer (default 128)
+//     and kept for non-resident experts too (ghost history: an evicted expert that comes back keeps its
+//     count). Its class is floor(log2(count)) clamped to [0, classes - 1] (default 8 classes; a count below 2 is
+//     class 0). One LRU order per class; the victim is a free slot, else, among the least recently used
+//     evictable expert of each class, the one with the largest age / 2^class (age: tokens of the layer since
+//     its last use; ties: the lower class, then the lowest id).
+//   - rule=cache-route, colibri's CACHE_ROUTE: ranks below `j` (default 1) are always computed (fetched on a
+//     miss); a miss at a later rank takes the best-scored resident expert within the router's top `m`
+//     (default 2k) that the token neither selected nor already used as a substitute, else it is fetched; a
+//     substitute's gate weight is scaled by `alpha` (default 1).
+//   - rule=zero, colibri's DEGRADE_ZERO: a miss with gate weight below `tau` (default 0.03) is dropped, the
+//     others are fetched; `renorm=on` rescales the computed selections to the weight sum of all k.
+//   - rule=ser, ik_llama.cpp's Smart Expert Reduction (-ser Kmin,t): cache-unaware: the first `kmin` ranks
+//     (default 1) always run; a later rank runs only if its gate weight is > t * the rank-0 weight (default
+//     t = 0.1); the others are skipped (gate weight 0, resident or not: `skips`); computed misses are fetched.
+//   - light=host (rules that substitute): a light miss, one the rule does not fetch by its rank or weight (which
+//     it would otherwise substitute), is computed on the host with the missed expert itself (exact;
+//     LLAMA_EXPERT_ACTION_HOST, counter host_computes); with cache-route every rank from j on.
 
 #include "llama-expert-counters.h"
 
@@ -29,11 +51,15 @@ enum llama_expert_miss_rule {
     LLAMA_EXPERT_MISS_FIRST_CHOICE   = 2, // fetch only a missed rank 0, substitute the rest
     LLAMA_EXPERT_MISS_SUBSTITUTE_ALL = 3, // substitute every miss
     LLAMA_EXPERT_MISS_DROP           = 4, // give every miss gate weight 0 (a reference point)
+    LLAMA_EXPERT_MISS_CACHE_ROUTE    = 5, // colibri CACHE_ROUTE: ranks < j fetched, later ones a resident of the top m
+    LLAMA_EXPERT_MISS_ZERO           = 6, // colibri DEGRADE_ZERO: drop a miss with gate weight < tau, fetch the others
+    LLAMA_EXPERT_MISS_SER            = 7, // ik_llama.cpp SER: skip ranks >= kmin unless w > t * w_0 (cache-unaware)
 };
 
 enum llama_expert_evict {
     LLAMA_EXPERT_EVICT_LFU = 0,
     LLAMA_EXPERT_EVICT_LRU = 1,
+    LLAMA_EXPERT_EVICT_CLASSLRU = 2, // upstream llama.cpp's ClassLRU: decayed-count classes, an LRU order in each
 };
 
 // how engine mode copies background admissions
@@ -55,7 +81,8 @@ enum llama_expert_action {
     LLAMA_EXPERT_ACTION_HIT        = 0,
     LLAMA_EXPERT_ACTION_FETCH      = 1,
     LLAMA_EXPERT_ACTION_SUBSTITUTE = 2,
-    LLAMA_EXPERT_ACTION_DROP       = 3,
+    LLAMA_EXPERT_ACTION_DROP       = 3, // gate weight 0 (a dropped miss, or a selection skipped by rule=ser)
+    LLAMA_EXPERT_ACTION_HOST       = 4, // computed on the host with the missed expert itself (light=host; exact)
 };
 
 #define LLAMA_EXPERT_MASS_HIST_BINS 20
@@ -67,7 +94,7 @@ struct llama_expert_cache_config {
     std::string             preset = "fetch-all";
 
     llama_expert_miss_rule rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
-    float                  tau   = 0.15f;
+    float                  tau   = 0.15f; // rule=threshold; rule=zero: 0.03 unless given
     // rule=threshold with host=file: the threshold for misses read from the model file (a read costs ~10-20x a
     // copy from RAM); below 0: tau
     float                  tau_file = -1.0f;
@@ -77,6 +104,26 @@ struct llama_expert_cache_config {
 
     // LFU: all use counts of a layer are halved every lfu_halve tokens of that layer (0: never)
     uint32_t lfu_halve = 1024;
+
+    // ClassLRU (evict=classlru): half-life of the decayed use counts in tokens of the layer, number of classes
+    uint32_t classlru_half_life = 128;
+    uint32_t classlru_classes   = 8;
+
+    // rule=cache-route: ranks < route_j always computed; substitutes from the router's top route_m (0: 2k);
+    // a substitute's gate weight times route_alpha
+    int32_t route_j     = 1;
+    int32_t route_m     = 0;
+    float   route_alpha = 1.0f;
+
+    // rule=ser: the first ser_kmin ranks always run; a later rank runs if w > ser_t * w_0
+    int32_t ser_kmin = 1;
+    float   ser_t    = 0.1f;
+
+    // rules that drop (drop, zero, ser): rescale the computed selections to the weight sum of all k (renorm=on)
+    bool renorm = false;
+
+    // rules that substitute: a light miss (not fetched by rank or weight) is computed on the host (light=host)
+    bool light_host = false;
 
     // residency: slots_count >= 0 wins, otherwise slots_pct percent of the layer's experts
     int32_t slots_count = -1;
@@ -126,6 +173,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
 // The number of slots per layer for a layer with n_expert experts.
 int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
 
+// The checks that need the model's experts per token k and experts per layer: j <= k, k <= m <= n_expert,
+// kmin <= k. Returns false and sets err (one line naming the key and the accepted range) on error.
+bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, int32_t k, int32_t n_expert, std::string & err);
+
+// Whether the rule can change the gate weights the expert ops use (drops, skips, alpha, renorm): the route step
+// then multiplies them by the policy's per-rank factors (out_scale of decide()).
+bool llama_expert_cache_config_scales_weights(const llama_expert_cache_config & cfg);
+
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule);
 const char * llama_expert_evict_name(llama_expert_evict evict);
 const char * llama_expert_cache_mode_name(llama_expert_cache_mode mode);
@@ -154,9 +209,11 @@ struct llama_expert_layer_policy {
 
     // Decide one token. ids: the k selected experts in router order (rank 0 first); w: their normalised
     // gate weights; scores: router scores of all n_expert experts (only their order matters; used to
-    // choose substitutes). Writes the expert id to compute with (out_ids) and the action per rank.
+    // choose substitutes). Writes the expert id to compute with (out_ids) and the action per rank, and when
+    // out_scale is not null the factor per rank for the gate weight the graph uses (0 for a drop or a skip,
+    // alpha for a cache-route substitute, the renorm factor for a computed selection with renorm=on, else 1).
     void decide(const int32_t * ids, const float * w, int32_t k, const float * scores,
-                int32_t * out_ids, uint8_t * out_actions);
+                int32_t * out_ids, uint8_t * out_actions, float * out_scale = nullptr);
 
     // A group of tokens computed together from the cache banks (a small multi-token ubatch): between
     // begin_group() and end_group(), every expert a token of the group computes with stays resident until the
@@ -176,6 +233,15 @@ struct llama_expert_layer_policy {
     bool                   admit = false;
     float                  beta  = 0.5f;
     uint32_t               lfu_halve = 1024;
+    uint32_t               classlru_half_life = 128;
+    uint32_t               classlru_classes   = 8;
+    int32_t                route_j     = 1;
+    int32_t                route_m     = 0; // 0: 2k
+    float                  route_alpha = 1.0f;
+    int32_t                ser_kmin    = 1;
+    float                  ser_t       = 0.1f;
+    bool                   renorm      = false;
+    bool                   light_host  = false;
 
     // choose substitutes from a per-token list of the best candidates (same result as a full scan per
     // substitution, which is what false does; kept for tests)
@@ -188,6 +254,8 @@ struct llama_expert_layer_policy {
     std::vector<uint64_t> last_use;   // LRU: tick of the last use of a resident expert
     std::vector<double>   admit_acc;  // admission: substituted gate mass per non-resident expert
     std::vector<uint64_t> sel_total;  // router selections per expert, never halved (for profiles)
+    std::vector<double>   decay_count; // ClassLRU: decayed router selections per expert, as of decay_tick
+    std::vector<uint64_t> decay_tick;
 
     std::vector<int32_t> initial; // initial resident experts, by slot
 
@@ -203,10 +271,20 @@ struct llama_expert_layer_policy {
     std::vector<int32_t>  pending;  // experts to admit at the end of the token
     std::vector<int32_t>  cand;     // best-scored resident, non-selected experts of the token (built on demand)
     uint64_t              cand_tick = 0;
+    std::vector<int32_t>  window;   // cache-route: the router's top m experts of the token, best first (on demand)
+    uint64_t              window_tick = 0;
+
+    // ClassLRU: the decayed count of expert e at the current tick, and its class
+    double  classlru_count(int32_t e) const;
+    int32_t classlru_class(int32_t e) const;
+
+    // LFU and ClassLRU counts: n router selections of expert e at the current tick
+    void count_use(int32_t e, double n);
 
 private:
     int32_t find_slot(); // free slot or a victim not used by the current token; -1 if none
     int32_t find_substitute(const float * scores, bool allow_reuse);
+    int32_t find_route_substitute(const float * scores, int32_t k); // cache-route: within the top m, or -1
     void    place(int32_t e, int32_t slot);
 };
 

@@ -1,6 +1,7 @@
 // The cache spec parser as a tool for the Python tests (tests/test_sizes.py, tests/test_spec.py):
 //   spec_parse --vram SIZE...   the bytes that vram=SIZE takes, or "error", one line each
 //   spec_parse --spec SPEC...   "ok" or "error: <the message>", one line each
+//   spec_parse --spec-k K N SPEC...  the same, then the checks for a model with K experts per token of N per layer
 //   spec_parse --fuzz N SEED    N random and mutated specs: never a crash, every error one line naming a key or
 //                               the accepted keys; prints "fuzz: N specs, K rejected"
 #include "llama-expert-policy.h"
@@ -19,10 +20,20 @@ static bool one_line_naming_a_key(const std::string & err) {
 
 int main(int argc, char ** argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: spec_parse --vram SIZE... | --spec SPEC... | --fuzz N SEED\n");
+        fprintf(stderr, "usage: spec_parse --vram SIZE... | --spec SPEC... | --spec-k K N SPEC... | --fuzz N SEED\n");
         return 2;
     }
     const std::string mode = argv[1];
+    if (mode == "--spec-k" && argc >= 4) {
+        const int32_t k = atoi(argv[2]), n_expert = atoi(argv[3]);
+        for (int i = 4; i < argc; ++i) {
+            llama_expert_cache_config cfg;
+            std::string err;
+            const bool ok = llama_expert_cache_config_parse(argv[i], cfg, err) && llama_expert_cache_config_check_k(cfg, k, n_expert, err);
+            printf(ok ? "ok\n" : "error: %s\n", err.c_str());
+        }
+        return 0;
+    }
     if (mode == "--vram" || mode == "--spec") {
         for (int i = 2; i < argc; ++i) {
             llama_expert_cache_config cfg;
@@ -45,11 +56,13 @@ int main(int argc, char ** argv) {
         const int n = atoi(argv[2]);
         std::mt19937 rng((uint32_t) strtoul(argv[3], nullptr, 10));
         const std::vector<std::string> keys = { "mode", "policy", "rule", "tau", "evict", "admit", "halve", "slots",
-            "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "tau_file", "profile", "profile_out", "stats",
-            "trace", "trace_top", "bogus", "", " ", "==" };
+            "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "tau_file",
+            "profile", "profile_out", "stats", "trace", "trace_top", "j", "m", "alpha", "kmin", "t", "renorm", "light",
+            "half_life", "classes", "bogus", "", " ", "==" };
         const std::vector<std::string> vals = { "engine", "emulate", "off", "quality", "speed", "fetch-all", "threshold",
             "drop", "0.15", "-1", "1e9", "25%", "200%", "0", "16", "24G", "24GB", "1.5.3G", "lfu", "lru", "on", "auto",
-            "thread", "file", "ram", "x", "", "%", ",", "=", "\xff\xfe", "99999999999999999999999" };
+            "thread", "file", "ram", "cache-route", "zero", "ser", "classlru", "host", "substitute", "0.5", "1.5", "x", "",
+            "%", ",", "=", "\xff\xfe", "99999999999999999999999" };
         int rejected = 0;
         for (int i = 0; i < n; ++i) {
             std::string spec;
@@ -77,6 +90,6 @@ int main(int argc, char ** argv) {
         printf("fuzz: %d specs, %d rejected\n", n, rejected);
         return 0;
     }
-    fprintf(stderr, "usage: spec_parse --vram SIZE... | --spec SPEC... | --fuzz N SEED\n");
+    fprintf(stderr, "usage: spec_parse --vram SIZE... | --spec SPEC... | --spec-k K N SPEC... | --fuzz N SEED\n");
     return 2;
 }

@@ -27,14 +27,20 @@ static llama_expert_cache_config cfg_of(const std::string & spec) {
 struct step_result {
     std::vector<int32_t> out;
     std::vector<uint8_t> act;
+    std::vector<float>   scale; // factors for the gate weights
 };
 
 static step_result step(llama_expert_layer_policy & p, std::vector<int32_t> ids, std::vector<float> w, const std::vector<float> & scores) {
     step_result r;
     r.out.resize(ids.size());
     r.act.resize(ids.size());
-    p.decide(ids.data(), w.data(), (int32_t) ids.size(), scores.data(), r.out.data(), r.act.data());
+    r.scale.resize(ids.size());
+    p.decide(ids.data(), w.data(), (int32_t) ids.size(), scores.data(), r.out.data(), r.act.data(), r.scale.data());
     return r;
+}
+
+static bool near(double a, double b) {
+    return std::fabs(a - b) < 1e-6;
 }
 
 static void test_parse() {
@@ -217,12 +223,263 @@ static void test_rules() {
     }
 }
 
+// the anchors' keys: values, defaults, and the errors that name the key and the accepted range
+static void test_parse_anchors() {
+    llama_expert_cache_config cfg;
+    std::string err;
+
+    CHECK(llama_expert_cache_config_parse("rule=cache-route", cfg, err) && cfg.rule == LLAMA_EXPERT_MISS_CACHE_ROUTE);
+    CHECK(cfg.route_j == 1 && cfg.route_m == 0 && cfg.route_alpha == 1.0f && !cfg.light_host && cfg.preset == "custom");
+    CHECK(!llama_expert_cache_config_scales_weights(cfg)); // alpha 1: the weights are left alone
+    CHECK(llama_expert_cache_config_parse("rule=cache-route,j=2,m=20,alpha=0.5,light=substitute", cfg, err));
+    CHECK(cfg.route_j == 2 && cfg.route_m == 20 && cfg.route_alpha == 0.5f && llama_expert_cache_config_scales_weights(cfg));
+    CHECK(llama_expert_cache_config_parse("rule=zero", cfg, err) && cfg.rule == LLAMA_EXPERT_MISS_ZERO);
+    CHECK(std::fabs(cfg.tau - 0.03f) < 1e-7f && !cfg.renorm && llama_expert_cache_config_scales_weights(cfg));
+    CHECK(llama_expert_cache_config_parse("rule=zero,tau=0.1,renorm=on", cfg, err) && std::fabs(cfg.tau - 0.1f) < 1e-7f && cfg.renorm);
+    CHECK(llama_expert_cache_config_parse("rule=ser", cfg, err) && cfg.ser_kmin == 1 && std::fabs(cfg.ser_t - 0.1f) < 1e-7f);
+    CHECK(llama_expert_cache_config_parse("rule=ser,kmin=6,t=1,renorm=off", cfg, err) && cfg.ser_kmin == 6 && cfg.ser_t == 1.0f);
+    CHECK(llama_expert_cache_config_parse("evict=classlru", cfg, err) && cfg.evict == LLAMA_EXPERT_EVICT_CLASSLRU);
+    CHECK(cfg.classlru_half_life == 128 && cfg.classlru_classes == 8);
+    CHECK(llama_expert_cache_config_parse("policy=quality,evict=classlru,half_life=64,classes=4", cfg, err));
+    CHECK(cfg.classlru_half_life == 64 && cfg.classlru_classes == 4 && cfg.rule == LLAMA_EXPERT_MISS_THRESHOLD);
+    CHECK(llama_expert_cache_config_parse("policy=quality,light=host", cfg, err) && cfg.light_host);
+
+    // ranges
+    CHECK(!llama_expert_cache_config_parse("rule=cache-route,alpha=1.5", cfg, err) && err.find("'alpha'") != std::string::npos &&
+          err.find("[0, 1]") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("rule=cache-route,m=0", cfg, err) && err.find("'m'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("rule=ser,kmin=0", cfg, err) && err.find("'kmin'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("rule=ser,t=-0.1", cfg, err) && err.find("'t'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("evict=classlru,classes=33", cfg, err) && err.find("[1, 32]") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("evict=classlru,half_life=0", cfg, err) && err.find("'half_life'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("rule=zero,renorm=yes", cfg, err) && err.find("'renorm'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("policy=speed,light=cpu", cfg, err) && err.find("'light'") != std::string::npos);
+    // keys without effect
+    CHECK(!llama_expert_cache_config_parse("policy=quality,alpha=0.5", cfg, err) && err.find("alpha applies to rule=cache-route") == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=zero,kmin=2", cfg, err) && err.find("kmin applies to rule=ser") == 0);
+    CHECK(!llama_expert_cache_config_parse("policy=speed,renorm=on", cfg, err) && err.find("renorm applies to the rules that drop") == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=ser,light=host", cfg, err) && err.find("light applies to the rules that substitute") == 0);
+    CHECK(!llama_expert_cache_config_parse("evict=lfu,half_life=10", cfg, err) && err.find("half_life applies to evict=classlru") == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=cache-route,light=host,m=20", cfg, err) && err.find("m chooses") == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=ser,tau=0.1", cfg, err) && err.find("tau applies to") == 0);
+    CHECK(!llama_expert_cache_config_parse("mode=engine,policy=quality,light=host", cfg, err) && err.find("light=host") == 0 &&
+          err.find("mode=engine") != std::string::npos);
+    // the checks that need k (8 here) and n_expert (64)
+    CHECK(llama_expert_cache_config_parse("rule=cache-route,j=8,m=8", cfg, err) && llama_expert_cache_config_check_k(cfg, 8, 64, err));
+    CHECK(llama_expert_cache_config_parse("rule=cache-route,j=9", cfg, err) && !llama_expert_cache_config_check_k(cfg, 8, 64, err) &&
+          err == "bad value '9' for key 'j' (accepted: a number of ranks in [0, 8], the experts used per token)");
+    CHECK(llama_expert_cache_config_parse("rule=cache-route,m=7", cfg, err) && !llama_expert_cache_config_check_k(cfg, 8, 64, err) &&
+          err.find("for key 'm' (accepted: a window of router ranks in [8, 64]") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("rule=cache-route,m=65", cfg, err) && !llama_expert_cache_config_check_k(cfg, 8, 64, err));
+    CHECK(llama_expert_cache_config_parse("rule=ser,kmin=9", cfg, err) && !llama_expert_cache_config_check_k(cfg, 8, 64, err) &&
+          err.find("for key 'kmin' (accepted: a number of ranks in [1, 8]") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("rule=ser,kmin=8", cfg, err) && llama_expert_cache_config_check_k(cfg, 8, 64, err));
+}
+
+// colibri's CACHE_ROUTE: ranks < j fetched; later ranks take the best resident of the router's top m, else fetched
+static void test_cache_route() {
+    // 16 experts, resident 0..7. Router order: 10, 11, 12, 3, 13, 5, 6, 2, then the rest lower
+    std::vector<float> scores(16, 0.0f);
+    scores[10] = 0.9f; scores[11] = 0.8f; scores[12] = 0.7f; scores[3] = 0.6f;
+    scores[13] = 0.55f; scores[5] = 0.5f; scores[6] = 0.45f; scores[2] = 0.4f;
+    const std::vector<int32_t> ids = { 10, 11, 12, 3 };
+    const std::vector<float>   w   = { 0.5f, 0.2f, 0.1f, 0.2f };
+    {
+        // m = 6: the window is 10, 11, 12, 3 (selected), 13 (not resident), 5
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=cache-route,j=1,m=6,alpha=0.5,admit=off,evict=lru,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.out[0] == 10);      // rank 0 < j: fetched (evicts 0)
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[1] == 5);  // the best resident in the window
+        CHECK(r.act[2] == LLAMA_EXPERT_ACTION_FETCH && r.out[2] == 12);      // 5 taken, 6 outside the window: fetch
+        CHECK(r.act[3] == LLAMA_EXPERT_ACTION_HIT && r.out[3] == 3);
+        CHECK(r.scale == (std::vector<float>{ 1.0f, 0.5f, 1.0f, 1.0f }));   // alpha on the substitute only
+        CHECK(p.is_resident(10) && p.is_resident(12) && !p.is_resident(0) && !p.is_resident(1)); // LRU, lowest id
+        CHECK(p.stats.fetches == 2 && p.stats.substitutions == 1 && p.stats.evictions == 2);
+    }
+    {
+        // m = auto (2k = 8): 6 is in the window too
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=cache-route,admit=off,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.act[1] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[1] == 5);
+        CHECK(r.act[2] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[2] == 6);
+        CHECK(r.scale == (std::vector<float>{ 1.0f, 1.0f, 1.0f, 1.0f }));
+    }
+    {
+        // j = 0: the first choice too takes a substitute; m = k = 4: no window beyond the selection, all fetched
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=cache-route,j=0,m=6,admit=off,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[0] == 5 && p.stats.subst_first_choice == 1);
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_FETCH && r.act[2] == LLAMA_EXPERT_ACTION_FETCH);
+        llama_expert_layer_policy q;
+        q.init(16, 8, cfg_of("rule=cache-route,j=0,m=4,admit=off,slots=8"));
+        r = step(q, ids, w, scores);
+        CHECK(q.stats.fetches == 3 && q.stats.substitutions == 0);
+    }
+    {
+        // light=host: ranks >= j are computed on the host with the missed expert, the residency is unchanged
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=cache-route,j=1,light=host,admit=off,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.out[0] == 10);
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_HOST && r.out[1] == 11 && r.act[2] == LLAMA_EXPERT_ACTION_HOST && r.out[2] == 12);
+        CHECK(r.act[3] == LLAMA_EXPERT_ACTION_HIT);
+        CHECK(r.scale == (std::vector<float>{ 1.0f, 1.0f, 1.0f, 1.0f }));
+        CHECK(p.stats.host_computes == 2 && p.stats.fetches == 1 && p.stats.substitutions == 0 && p.stats.misses == 3);
+        CHECK(!p.is_resident(11) && !p.is_resident(12) && p.n_resident() == 8 && p.stats.evictions == 1);
+    }
+}
+
+// colibri's DEGRADE_ZERO: a miss with gate weight below tau is dropped, the others fetched; renorm rescales
+static void test_zero() {
+    std::vector<float> scores(16, 0.0f);
+    const std::vector<int32_t> ids = { 10, 11, 12, 3 }; // 3 resident
+    const std::vector<float>   w   = { 0.6f, 0.25f, 0.02f, 0.01f };
+    {
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=zero,slots=8")); // tau 0.03
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.act[1] == LLAMA_EXPERT_ACTION_FETCH);
+        CHECK(r.act[2] == LLAMA_EXPERT_ACTION_DROP && r.out[2] == 12);
+        CHECK(r.act[3] == LLAMA_EXPERT_ACTION_HIT); // a light hit is computed: only misses are dropped
+        CHECK(r.scale == (std::vector<float>{ 1.0f, 1.0f, 0.0f, 1.0f }));
+        CHECK(p.stats.drops == 1 && p.stats.fetches == 2 && near(p.stats.drop_mass_sum, 0.02));
+        CHECK(!p.is_resident(12) && p.is_resident(10) && p.is_resident(11));
+    }
+    {
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=zero,tau=0.3,renorm=on,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.act[1] == LLAMA_EXPERT_ACTION_DROP && r.act[2] == LLAMA_EXPERT_ACTION_DROP);
+        // kept: 0.6 + 0.01 of 0.88: both times 0.88 / 0.61
+        const double f = (0.6 + 0.25 + 0.02 + 0.01) / (0.6 + 0.01);
+        CHECK(near(r.scale[0], f) && r.scale[1] == 0.0f && r.scale[2] == 0.0f && near(r.scale[3], f));
+    }
+    {
+        // renorm with nothing dropped: factors stay 1
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=zero,tau=0,renorm=on,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.scale == (std::vector<float>{ 1.0f, 1.0f, 1.0f, 1.0f }) && p.stats.drops == 0);
+    }
+}
+
+// ik_llama.cpp's SER: the first kmin ranks run; a later one only if w > t * w_0; cache-unaware
+static void test_ser() {
+    std::vector<float> scores(16, 0.0f);
+    const std::vector<int32_t> ids = { 10, 3, 12, 4 }; // 3 and 4 resident
+    const std::vector<float>   w   = { 0.4f, 0.1f, 0.3f, 0.2f };
+    {
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=ser,kmin=2,t=0.5,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH);                   // rank 0: runs, fetched on a miss
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_HIT);                     // rank 1 < kmin: runs although light
+        CHECK(r.act[2] == LLAMA_EXPERT_ACTION_FETCH);                   // 0.3 > 0.5 * 0.4
+        CHECK(r.act[3] == LLAMA_EXPERT_ACTION_DROP && r.out[3] == 4);   // 0.2 is not > 0.2: skipped, though resident
+        CHECK(r.scale == (std::vector<float>{ 1.0f, 1.0f, 1.0f, 0.0f }));
+        CHECK(p.stats.skips == 1 && p.stats.hits == 1 && p.stats.misses == 2 && p.stats.drops == 0 && p.stats.fetches == 2);
+        CHECK(p.stats.hits + p.stats.misses + p.stats.skips == p.stats.calls);
+        CHECK(p.is_resident(4) && near(p.stats.drop_mass_sum, 0.2));
+    }
+    {
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=ser,kmin=1,t=0.6,renorm=on,slots=8"));
+        auto r = step(p, ids, w, scores);
+        // 0.1, 0.2 <= 0.24 skipped; 0.3 > 0.24 runs; the kept 0.7 take the whole 1.0
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_DROP && r.act[2] == LLAMA_EXPERT_ACTION_FETCH && r.act[3] == LLAMA_EXPERT_ACTION_DROP);
+        CHECK(near(r.scale[0], 1.0 / 0.7) && r.scale[1] == 0.0f && near(r.scale[2], 1.0 / 0.7) && r.scale[3] == 0.0f);
+        CHECK(p.stats.skips == 2);
+    }
+    {
+        // t = 0 or kmin = k: nothing skipped
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=ser,kmin=1,t=0,slots=8"));
+        step(p, ids, w, scores);
+        llama_expert_layer_policy q;
+        q.init(16, 8, cfg_of("rule=ser,kmin=4,t=1,slots=8"));
+        step(q, ids, w, scores);
+        CHECK(p.stats.skips == 0 && q.stats.skips == 0 && q.stats.fetches == 2);
+    }
+}
+
+// light=host with a threshold rule: the light miss is computed on the host, and counts toward admission
+static void test_light_host() {
+    std::vector<float> scores(16, 0.0f);
+    const std::vector<int32_t> ids = { 10, 11, 12, 3 };
+    const std::vector<float>   w   = { 0.5f, 0.2f, 0.1f, 0.2f };
+    llama_expert_layer_policy p;
+    p.init(16, 8, cfg_of("rule=threshold,tau=0.15,light=host,admit=0.15,slots=8"));
+    auto r = step(p, ids, w, scores);
+    CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.act[1] == LLAMA_EXPERT_ACTION_FETCH);
+    CHECK(r.act[2] == LLAMA_EXPERT_ACTION_HOST && r.out[2] == 12 && r.act[3] == LLAMA_EXPERT_ACTION_HIT);
+    CHECK(p.stats.host_computes == 1 && p.stats.substitutions == 0 && !p.is_resident(12) && p.stats.admissions == 0);
+    CHECK(p.stats.fetches + p.stats.substitutions + p.stats.drops + p.stats.host_computes == p.stats.misses);
+    r = step(p, ids, w, scores); // 0.1 + 0.1 >= 0.15: 12 admitted at the end of the token
+    CHECK(r.act[2] == LLAMA_EXPERT_ACTION_HOST && p.is_resident(12) && p.stats.admissions == 1);
+    r = step(p, ids, w, scores);
+    CHECK(r.act[2] == LLAMA_EXPERT_ACTION_HIT);
+}
+
+// upstream llama.cpp's ClassLRU: decayed counts (kept after eviction), classes floor(log2(count)), victim the
+// largest age / 2^class among the least recently used of each class
+static void test_classlru() {
+    const std::vector<float> scores(8, 0.0f);
+    {
+        // resident 0, 1, 2, 3; half-life long enough that counts stay just below their integers
+        // A = 0: 9 uses (class 3), the oldest; C = 1: 3 uses (class 1); D = 3: 5 uses (class 2); B = 2: 1 use (class 0)
+        llama_expert_layer_policy p;
+        p.init(8, 4, cfg_of("rule=fetch-all,evict=classlru,half_life=1000000,slots=4"));
+        for (int e : { 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 3, 3, 3, 3, 3, 2 }) {
+            CHECK(step(p, { e }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_HIT);
+        }
+        CHECK(p.classlru_class(0) == 3 && p.classlru_class(1) == 1 && p.classlru_class(3) == 2 && p.classlru_class(2) == 0);
+        // token 19: ages 10, 7, 1, 2 -> 10/8 = 1.25, 7/2 = 3.5, 1/1 = 1, 2/4 = 0.5: C is the victim
+        // (LRU would evict A, LFU B)
+        CHECK(step(p, { 4 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_FETCH);
+        CHECK(!p.is_resident(1) && p.is_resident(0) && p.is_resident(2) && p.is_resident(3) && p.is_resident(4));
+        // ghost history: C's count survives its eviction (about 3 + 1, not 1)
+        CHECK(step(p, { 1 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_FETCH);
+        CHECK(p.classlru_count(1) > 3.99 && p.classlru_count(1) < 4.0 && p.classlru_class(1) == 1);
+        // token 20 evicted: ages 11 (A, class 3: 1.375), 2 (B, class 0: 2), 3 (D, class 2: 0.75), 1 (4, class 0: 1) -> B
+        CHECK(!p.is_resident(2) && p.is_resident(4) && p.stats.evictions == 2);
+        // reset clears the history
+        p.reset();
+        CHECK(p.classlru_count(1) == 0.0 && p.is_resident(1));
+    }
+    {
+        // exact decay: one use at tick 1, half-life 2: 2^(-4/2) at tick 5
+        llama_expert_layer_policy p;
+        p.init(8, 4, cfg_of("rule=fetch-all,evict=classlru,half_life=2,slots=4"));
+        step(p, { 0 }, { 1.0f }, scores);
+        for (int t = 0; t < 4; ++t) {
+            step(p, { 1 }, { 1.0f }, scores);
+        }
+        CHECK(std::fabs(p.classlru_count(0) - 0.25) < 1e-12);
+        CHECK(std::fabs(p.classlru_count(1) - (1.0 + std::sqrt(0.5) + 0.5 + std::sqrt(0.125))) < 1e-12 && p.classlru_class(1) == 1);
+    }
+    {
+        // classes clamp: 9 uses is class 3, with classes=2 class 1
+        llama_expert_layer_policy p;
+        p.init(8, 4, cfg_of("rule=fetch-all,evict=classlru,half_life=1000000,classes=2,slots=4"));
+        for (int t = 0; t < 9; ++t) {
+            step(p, { 0 }, { 1.0f }, scores);
+        }
+        CHECK(p.classlru_class(0) == 1);
+    }
+}
+
 // random sequences: counters are consistent and the rules' invariants hold
 static void test_random() {
     std::mt19937 rng(42);
     const char * specs[] = {
         "policy=quality,slots=16", "policy=speed,slots=16", "policy=fetch-all,slots=16",
         "rule=substitute-all,admit=off,slots=16", "rule=drop,slots=16", "rule=threshold,evict=lru,admit=0.3,slots=16",
+        "rule=cache-route,slots=16", "rule=cache-route,j=2,m=12,alpha=0.7,admit=0.3,evict=classlru,slots=16",
+        "rule=zero,tau=0.08,renorm=on,slots=16", "rule=ser,kmin=3,t=0.3,evict=classlru,half_life=32,slots=16",
+        "policy=quality,light=host,slots=16", "policy=fetch-all,evict=classlru,slots=16",
     };
     for (const char * spec : specs) {
         const auto cfg = cfg_of(spec);
@@ -245,7 +502,40 @@ static void test_random() {
             for (int r = 0; r < k; ++r) { w[r] = std::exp(logits[ids[r]]); sum += w[r]; }
             for (int r = 0; r < k; ++r) { w[r] /= sum; }
             auto res = step(p, ids, w, logits);
+            // the router's rank of every expert (ties cannot occur with continuous logits)
+            std::vector<int32_t> rank(E);
+            {
+                std::vector<int32_t> all(E);
+                for (int e = 0; e < E; ++e) all[e] = e;
+                std::sort(all.begin(), all.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+                for (int i = 0; i < E; ++i) rank[all[i]] = i;
+            }
+            const int32_t m = cfg.route_m > 0 ? cfg.route_m : 2 * k;
+            float kept = 0.0f;
             for (int r = 0; r < k; ++r) {
+                kept += res.act[r] == LLAMA_EXPERT_ACTION_DROP ? 0.0f : w[r];
+            }
+            for (int r = 0; r < k; ++r) {
+                if (cfg.rule == LLAMA_EXPERT_MISS_CACHE_ROUTE) {
+                    CHECK(r >= cfg.route_j || res.act[r] == LLAMA_EXPERT_ACTION_HIT || res.act[r] == LLAMA_EXPERT_ACTION_FETCH);
+                    if (res.act[r] == LLAMA_EXPERT_ACTION_SUBSTITUTE) {
+                        CHECK(rank[res.out[r]] < m && res.scale[r] == cfg.route_alpha);
+                    }
+                }
+                if (res.act[r] == LLAMA_EXPERT_ACTION_DROP) {
+                    CHECK(res.scale[r] == 0.0f);
+                    if (cfg.rule == LLAMA_EXPERT_MISS_ZERO) CHECK(w[r] < cfg.tau);
+                    if (cfg.rule == LLAMA_EXPERT_MISS_SER) CHECK(r >= cfg.ser_kmin && !(w[r] > cfg.ser_t * w[0]));
+                } else if (cfg.renorm && kept < 1.0f - 1e-6f) {
+                    CHECK(std::fabs(res.scale[r] - 1.0f / kept) < 1e-4f); // the weights sum to 1
+                }
+                if (cfg.rule == LLAMA_EXPERT_MISS_ZERO && w[r] >= cfg.tau) CHECK(res.act[r] != LLAMA_EXPERT_ACTION_DROP);
+                if (cfg.rule == LLAMA_EXPERT_MISS_SER && r >= cfg.ser_kmin && !(w[r] > cfg.ser_t * w[0])) {
+                    CHECK(res.act[r] == LLAMA_EXPERT_ACTION_DROP);
+                }
+                if (res.act[r] == LLAMA_EXPERT_ACTION_HOST) {
+                    CHECK(cfg.light_host && res.out[r] == ids[r] && r > 0 && w[r] < cfg.tau); // (it may be admitted at the end)
+                }
                 if (res.act[r] == LLAMA_EXPERT_ACTION_SUBSTITUTE) {
                     subst_fc    += r == 0;
                     subst_heavy += w[r] >= 0.15f;
@@ -262,19 +552,33 @@ static void test_random() {
             CHECK(p.n_resident() == 16);
         }
         const auto & s = p.stats;
-        CHECK(s.hits + s.misses == s.calls);
-        CHECK(s.fetches + s.substitutions + s.drops == s.misses);
+        CHECK(s.hits + s.misses + s.skips == s.calls);
+        CHECK(s.fetches + s.substitutions + s.drops + s.host_computes == s.misses);
+        CHECK((s.skips > 0) == (cfg.rule == LLAMA_EXPERT_MISS_SER));
+        CHECK((s.host_computes > 0) == cfg.light_host);
         CHECK(s.calls == 3000u * k && s.token_layers == 3000u);
         uint64_t hist = 0;
         for (auto c : s.mass_hist) hist += c;
         CHECK(hist == s.token_layers);
         CHECK(s.forced_substitutions == 0);
+        if (cfg.rule == LLAMA_EXPERT_MISS_CACHE_ROUTE) {
+            CHECK(s.substitutions > 0 && s.fetches > 0);
+        }
+        if (cfg.rule == LLAMA_EXPERT_MISS_ZERO || cfg.rule == LLAMA_EXPERT_MISS_SER) {
+            CHECK(s.substitutions == 0 && s.fetches > 0);
+        }
+        if (cfg.rule == LLAMA_EXPERT_MISS_ZERO) {
+            CHECK(s.drops > 0);
+        }
         if (cfg.rule == LLAMA_EXPERT_MISS_THRESHOLD) {
             CHECK(subst_fc == 0 && s.subst_first_choice == 0);
             if (cfg.tau == 0.15f) {
                 CHECK(subst_heavy == 0 && s.max_subst_weight < 0.15f);
             }
-            CHECK(s.substitutions > 0);
+            CHECK(s.substitutions > 0 || cfg.light_host);
+        }
+        if (cfg.light_host) {
+            CHECK(s.substitutions == 0 && s.host_computes > 0);
         }
         if (cfg.rule == LLAMA_EXPERT_MISS_FIRST_CHOICE) {
             CHECK(subst_fc == 0 && s.subst_first_choice == 0 && s.substitutions > 0);
@@ -285,7 +589,8 @@ static void test_random() {
         if (cfg.rule == LLAMA_EXPERT_MISS_FETCH_ALL) {
             CHECK(s.fetches == s.misses && s.substitutions == 0 && s.admissions == 0);
         }
-        if (cfg.admit && cfg.rule != LLAMA_EXPERT_MISS_FETCH_ALL) {
+        if (cfg.admit && cfg.rule != LLAMA_EXPERT_MISS_FETCH_ALL && cfg.rule != LLAMA_EXPERT_MISS_ZERO &&
+                cfg.rule != LLAMA_EXPERT_MISS_SER) {
             CHECK(s.admissions > 0);
         }
         std::printf("%-45s calls %llu hits %llu fetch %llu subst %llu drop %llu admit %llu evict %llu mass %.4f\n", spec,
@@ -410,6 +715,12 @@ static void test_group() {
 
 int main() {
     test_parse();
+    test_parse_anchors();
+    test_cache_route();
+    test_zero();
+    test_ser();
+    test_light_host();
+    test_classlru();
     test_admission();
     test_lfu_lru();
     test_rules();

@@ -15,7 +15,8 @@ from harness.parsers.cache_stats import CacheStats, parse_cache_stats
 
 def _counters(**over: Any) -> dict[str, Any]:
     c: dict[str, Any] = {"calls": 8000, "hits": 6000, "misses": 2000, "fetches": 1400, "substitutions": 600,
-                         "drops": 0, "admissions": 30, "evictions": 1430, "subst_first_choice": 0,
+                         "drops": 0, "host_computes": 0, "skips": 0, "admissions": 30, "evictions": 1430,
+                         "subst_first_choice": 0,
                          "forced_substitutions": 0, "token_layers": 2000, "token_layers_with_subst": 500,
                          "max_subst_weight": 0.149, "subst_mass_sum": 40.0, "tokens": 1000,
                          "substituted_mass": 0.02, "fetches_per_token": 1.4, "drop_mass_sum": 0.0, "hit_rate": 0.75,
