@@ -43,7 +43,6 @@ from harness.core.project import get_build  # noqa: E402
 from harness.core.sizes import format_bytes, parse_size  # noqa: E402
 from harness.domain.costmodel import TokenWork, cache_work  # noqa: E402
 from harness.orchestration.simulate import SimulateOptions, run_calibrate, simulate  # noqa: E402
-from harness.parsers.cache_stats import parse_cache_stats  # noqa: E402
 from harness.parsers.gguf_model import ModelInfo, read_model_info  # noqa: E402
 from harness.stats.intervals import mean_ci, ratio_ci  # noqa: E402
 from harness.tools.cgroup import MemoryCgroup, check_ram_limit, mem_available  # noqa: E402
@@ -58,9 +57,9 @@ def engine(policy: str, slots: str) -> str:
 
 def token_work(info: ModelInfo, doc: dict) -> TokenWork:  # type: ignore[type-arg]
     """What one decoded token of an engine run cost (its statistics), for the cost model."""
-    st = parse_cache_stats(json.dumps(doc))
-    tokens = max(1, st.tokens or 1)
-    return cache_work(info, (st.fetches or 0) / tokens, admissions_per_token=(st.admissions or 0) / tokens)
+    t = doc["total"]
+    tokens = max(1, int(t["tokens"]))
+    return cache_work(info, int(t["fetches"]) / tokens, admissions_per_token=int(t["admissions"]) / tokens)
 
 
 def in_ram_work(info: ModelInfo) -> TokenWork:
@@ -129,6 +128,48 @@ def bench(cg: MemoryCgroup | None, bin_dir: Path, model: Path, spec: str | None,
     return [float(x) for x in rows[0]["samples_ts"]], read, ""
 
 
+def cost_model(a: argparse.Namespace, info: ModelInfo, model: Path, compute_ms: float, trace: Path,
+               runs: dict[str, tuple[str, list[float], dict | None]]) -> dict[str, dict[str, float]]:  # type: ignore[type-arg]
+    """The cost model (harness calibrate, harness simulate): a disk profile fitted to the compute in RAM and the
+    fetch-all run (the default readers), then the simulator's estimate for every preset from the fetch-all run's
+    trace, against the measurement (the presets other than fetch-all are predictions: not in the fit)."""
+    fit_runs = [{"name": "stock in RAM", "work": in_ram_work(info).__dict__, "ms": compute_ms}]
+    for name, (spec, ts, doc) in runs.items():
+        if spec == engine("fetch-all", a.slots) and doc is not None:
+            fit_runs.append({"name": name, "work": token_work(info, doc).__dict__, "ms": 1000.0 / (sum(ts) / len(ts))})
+    runs_path = a.out.with_suffix(".calibration.jsonl")
+    runs_path.write_text("".join(json.dumps(r) + "\n" for r in fit_runs))
+    prof_path = a.out.with_suffix(".profile.json")
+    res: dict[str, dict[str, float]] = {}
+    try:
+        fitted = run_calibrate(runs_path, a.profile, prof_path, name=f"{a.profile}-bench-tiers")
+        print(f"\ncost model: harness calibrate --base {a.profile} {runs_path} -o {prof_path}: disk "
+              f"{fitted.h2d_bw_gbs:.2f} GB/s, compute {fitted.vram_bw_gbs:.1f} GB/s + {fitted.layer_fixed_us:.0f} us "
+              f"per layer, {fitted.fetch_latency_us:.0f} us per read, {fitted.layer_roundtrip_us:.0f} us per route "
+              "step")
+        if not trace.exists():
+            return res
+        presets = tuple(p for p in a.policies.split(";") if "," not in p)
+        sims = simulate(SimulateOptions(trace=trace, model=model, policies=presets, residencies=(a.slots,),
+                                        profile=str(prof_path)))
+        print(f"harness simulate --trace {trace} --model {model} --residency {a.slots} --profile {prof_path}")
+        print(f"{'policy':<12} {'estimated t/s':>14} {'measured t/s':>13} {'estimate/measured':>18} "
+              f"{'in the fit':>11}")
+        for row in sims.rows:
+            name = next((n for n, (sp, _, _) in runs.items() if sp == engine(row.policy, a.slots)), None)
+            if name is None:
+                continue
+            ts = runs[name][1]
+            meas = sum(ts) / len(ts)
+            est = 1000.0 / row.est_ms_per_token
+            print(f"{row.policy:<12} {est:14.2f} {meas:13.2f} {est / meas:17.2f}x "
+                  f"{'yes' if row.policy == 'fetch-all' else 'no':>11}")
+            res[row.policy] = {"estimated_ts": est, "measured_ts": meas}
+    except HarnessError as e:
+        print(f"bench_tiers: cost model: {e}", file=sys.stderr)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path)
@@ -144,7 +185,17 @@ def main() -> int:
     ap.add_argument("--prompt-rounds", type=int, default=2)
     ap.add_argument("--profile", default="cpu-disk", help="the base profile the calibration fits")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench-tiers.json")
+    ap.add_argument("--refit", action="store_true", help="only the cost model, from the runs saved in --out")
     a = ap.parse_args()
+    if a.refit:
+        saved = json.loads(a.out.read_text())
+        model = Path(saved["model"])
+        runs = {n: (r["spec"], r["samples_ts"], r.get("stats")) for n, r in saved["runs"].items() if r.get("spec")
+                and r.get("samples_ts")}
+        saved["simulate"] = cost_model(a, read_model_info(model), model, saved["compute_ms_in_ram"],
+                                       a.out.parent / "bench-tiers.trace", runs)
+        a.out.write_text(json.dumps(saved, indent=1) + "\n")
+        return 0
 
     bins = {"stock": get_build("stock").bin_dir, "patched": get_build("patched").bin_dir}
     model = a.model or ROOT / "results" / f"tiers-qwen3moe-e512k10-L{a.layers}-q4_0.gguf"
@@ -309,42 +360,8 @@ def main() -> int:
                 "spec": spec, "ubatch": ub, "samples_ts": samples[name], "mean": ci.mean, "ci95": ci.half_width,
                 "vs_stock": rc.ratio if rc else None, "read_bytes": gb * 1e9}
 
-    # the cost model (harness calibrate, harness simulate): a disk profile fitted to the compute in RAM and the
-    # fetch-all run, then the simulator's estimate for every policy from the fetch-all run's trace, against the
-    # measurement (the policies other than fetch-all are predictions: not in the fit)
-    fit_runs = [{"name": "stock in RAM", "work": in_ram_work(info).__dict__, "ms": compute_ms}]
-    for name, _, spec in runs:
-        if spec and "policy=fetch-all" in spec and name in stats_doc and samples[name]:
-            fit_runs.append({"name": name, "work": token_work(info, stats_doc[name]).__dict__,
-                             "ms": 1000.0 / (sum(samples[name]) / len(samples[name]))})
-    runs_path = a.out.with_suffix(".calibration.jsonl")
-    runs_path.write_text("".join(json.dumps(r) + "\n" for r in fit_runs))
-    prof_path = a.out.with_suffix(".profile.json")
-    try:
-        fitted = run_calibrate(runs_path, a.profile, prof_path, name=f"{a.profile}-bench-tiers")
-        print(f"\ncost model: harness calibrate --base {a.profile} {runs_path} -o {prof_path}: disk "
-              f"{fitted.h2d_bw_gbs:.2f} GB/s, compute {fitted.vram_bw_gbs:.1f} GB/s + {fitted.layer_fixed_us:.0f} us "
-              f"per layer, {fitted.fetch_latency_us:.0f} us per read, {fitted.layer_roundtrip_us:.0f} us per route "
-              "step")
-        if trace.exists():
-            sims = simulate(SimulateOptions(trace=trace, model=model, policies=tuple(
-                p.split(",")[0] for p in a.policies.split(";") if "," not in p), residencies=(a.slots,),
-                profile=str(prof_path)))
-            print(f"harness simulate --trace {trace} --model {model} --residency {a.slots} --profile {prof_path}")
-            print(f"{'policy':<12} {'estimated t/s':>14} {'measured t/s':>13} {'estimate/measured':>18} "
-                  f"{'in the fit':>11}")
-            out["simulate"] = {}
-            for row in sims.rows:
-                name = next((n for n, _, sp in runs if sp and sp == engine(row.policy, a.slots)), None)
-                if name is None or not samples.get(name):
-                    continue
-                meas = sum(samples[name]) / len(samples[name])
-                est = 1000.0 / row.est_ms_per_token
-                print(f"{row.policy:<12} {est:14.2f} {meas:13.2f} {est / meas:17.2f}x "
-                      f"{'yes' if row.policy == 'fetch-all' else 'no':>11}")
-                out["simulate"][row.policy] = {"estimated_ts": est, "measured_ts": meas}  # type: ignore[index]
-    except HarnessError as e:
-        print(f"bench_tiers: cost model: {e}", file=sys.stderr)
+    out["simulate"] = cost_model(a, info, model, compute_ms, trace, {
+        n: (sp, samples[n], stats_doc.get(n)) for n, _, sp in runs if sp and samples.get(n)})
 
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")

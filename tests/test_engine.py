@@ -650,6 +650,59 @@ def test_tau_file_is_the_file_tier_threshold(engine_models: dict[str, Path], eng
 
 
 @pytest.mark.build
+@pytest.mark.parametrize(("policy", "ubatch"), [("quality", 1), ("speed", 1), ("fetch-all", 1), ("fetch-all", None)])
+def test_three_tiers(policy: str, ubatch: int | None, engine_models: dict[str, Path], engine_text: Path,
+                     tmp_path: Path, stock_build: Build, engine_build: Build) -> None:
+    """Three tiers (slots <- RAM tier <- model file, ram_slots=): the engine takes exactly emulate's decisions; every
+    expert loaded into a slot came from the RAM tier or was read from the file through it, and the bytes read
+    from the file are exactly those loads; fetch-all through three tiers is stock bit for bit."""
+    model = engine_models["qwen3moe"]
+    spec = f"policy={policy},slots=25%,host=file,ram_slots=50%"
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=ubatch)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=ubatch)
+    check_ok(emu)
+    check_ok(eng)
+    assert emu.stats is not None and eng.stats is not None
+    same_decisions(emu.stats, eng.stats)
+    t, e = eng.stats["total"], eng.stats["engine"]
+    assert eng.stats["config"]["ram_slots"] > 0
+    assert t["ram_tier_loads"] > 0 and t["file_loads"] > 0, t
+    if ubatch == 1:
+        assert t["ram_tier_loads"] + t["file_loads"] == t["fetches"] + t["admissions"] == e["copied_experts"], (t, e)
+        per_expert = e["copy_bytes"] // e["copied_experts"]
+        assert e["file_read_bytes"] == t["file_loads"] * per_expert, (t, e)
+    assert eng.nll is not None and emu.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+    if policy == "fetch-all":
+        stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", ubatch=ubatch, nll=False)
+        check_ok(stock)
+        assert eng.logits == stock.logits
+
+
+@pytest.mark.build
+def test_three_tiers_thresholds(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
+                                engine_build: Build) -> None:
+    """Three tiers, rule=threshold: tau for misses the RAM tier holds, tau_file for misses read from the file; a
+    larger tau_file reads fewer experts from the file; emulate == engine; ram_slots below k is one line."""
+    model = engine_models["qwen3moe"]
+    base = "policy=quality,slots=25%,host=file,ram_slots=50%"
+    runs = {}
+    for name, extra in (("same", ""), ("file", ",tau_file=0.6")):
+        for mode in ("emulate", "engine"):
+            r = run_ppl(engine_build, model, engine_text, tmp_path / f"{name}-{mode}", f"mode={mode},{base}{extra}",
+                        ubatch=1)
+            check_ok(r)
+            assert r.stats is not None
+            runs[name, mode] = r.stats
+        same_decisions(runs[name, "emulate"], runs[name, "engine"])
+    same, hi = runs["same", "engine"]["total"], runs["file", "engine"]["total"]
+    assert hi["file_loads"] < same["file_loads"] and hi["substitutions"] > same["substitutions"], (same, hi)
+    bad = run_ppl(engine_build, model, engine_text, tmp_path / "bad", "mode=engine,slots=25%,host=file,ram_slots=2",
+                  ubatch=1, nll=False, want="ram_slots")
+    assert bad.returncode != 0 and "bad value '2' for key 'ram_slots'" in bad.output, bad.output[-2000:]
+
+
+@pytest.mark.build
 @pytest.mark.parametrize("io", ["readers=1,direct=off", "readers=8,direct=auto", "readers=3,direct=on"])
 def test_engine_host_file_readers_and_direct(io: str, engine_models: dict[str, Path], engine_text: Path,
                                              tmp_path: Path, engine_build: Build) -> None:

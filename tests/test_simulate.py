@@ -76,7 +76,8 @@ def counters(tokens: int, token_layers: int, fetches: int, admissions: int, hit_
     return {"calls": token_layers * 2, "hits": 0, "misses": 0, "fetches": fetches, "substitutions": 10, "drops": 0,
             "host_computes": 0, "skips": 0, "admissions": admissions, "evictions": 0, "subst_first_choice": 0,
             "forced_substitutions": 0,
-            "token_layers": token_layers, "token_layers_with_subst": 5, "max_subst_weight": 0.1,
+            "token_layers": token_layers, "token_layers_with_subst": 5, "ram_tier_loads": 0, "file_loads": 0,
+            "max_subst_weight": 0.1,
             "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 2.0 / token_layers,
             "fetches_per_token": fetches / tokens, "drop_mass_sum": 0.0, "hit_rate": hit_rate,
             "miss_rate": 1 - hit_rate, "substitution_rate": 10 / (token_layers * 2),
@@ -336,6 +337,8 @@ SPECS = [
     "rule=drop,slots=25%",
     "policy=fetch-all,evict=lfu,halve=32,slots=9",
     "policy=quality,host=file,tau_file=0.3,slots=25%",  # the file tier's threshold
+    "policy=quality,host=file,ram_slots=50%,tau_file=0.4,slots=25%",  # three tiers
+    "policy=fetch-all,host=file,ram_slots=20,slots=12",
     # the anchors' policies (issue 13)
     "rule=cache-route,slots=25%",
     "rule=cache-route,j=2,m=12,alpha=0.5,admit=0.25,evict=lfu,slots=20",

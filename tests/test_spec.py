@@ -53,6 +53,11 @@ CASES = [
     ("mode=off,readers=2", "ok"),  # mode=off: ignored keys are a warning
     ("mode=emulate,host=file,policy=quality,tau_file=0.4", "ok"),
     ("mode=emulate,host=file,ram=4G", "ok"),
+    ("mode=engine,host=file,policy=quality,ram_slots=50%,tau_file=0.3", "ok"),
+    ("mode=engine,host=file,ram_slots=64", "ok"),
+    ("mode=engine,ram_slots=64", "error: ram_slots is a RAM tier between the slots and the model file"),
+    ("mode=engine,host=file,ram_slots=0", "error: bad value '0' for key 'ram_slots'"),
+    ("mode=engine,host=file,ram_slots=150%", "error: bad value '150%' for key 'ram_slots'"),
     ("mode=emulate,host=file,readers=2", "error: readers= sets how mode=engine reads the model file"),
     ("mode=engine,host=file,policy=speed,tau_file=0.4", "error: tau_file applies to rule=threshold"),
     ("mode=engine,policy=quality,tau_file=0.4", "error: tau_file is the threshold for misses read from the model"),

@@ -21,7 +21,7 @@ SCHEMA_VERSION = 1
 # the counter table of src/include/llama-expert-counters.h, in its order
 POLICY_COUNTERS = ("calls", "hits", "misses", "fetches", "substitutions", "drops", "host_computes", "skips",
                    "admissions", "evictions", "subst_first_choice", "forced_substitutions", "token_layers",
-                   "token_layers_with_subst")
+                   "token_layers_with_subst", "ram_tier_loads", "file_loads")
 ENGINE_COUNTERS = ("copied_experts", "copies", "copy_bytes", "copy_ns", "background_experts", "deferred_experts",
                    "wait_ns", "file_reads", "file_read_bytes", "file_read_ns")
 _RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rate")

@@ -23,7 +23,9 @@
     X(subst_first_choice,      subst_first_choice,      "substitutions of a first choice (rank 0)") \
     X(forced_substitutions,    forced_substitutions,    "substitutions forced because every slot was in use by the token") \
     X(token_layers,            token_layers,            "token-layers decided") \
-    X(token_layers_with_subst, token_layers_with_subst, "token-layers with at least one substitution")
+    X(token_layers_with_subst, token_layers_with_subst, "token-layers with at least one substitution") \
+    X(ram_tier_loads,          ram_tier_loads,          "three tiers: experts loaded into the slots from the RAM tier") \
+    X(file_loads,              file_loads,              "three tiers: experts loaded into the slots from the model file, through the RAM tier")
 
 // mode=engine: the copies into the cache banks (llama_expert_engine_stats), summed over layers
 #define LLAMA_EXPERT_ENGINE_COUNTERS(X) \

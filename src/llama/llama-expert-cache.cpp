@@ -152,7 +152,8 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
             moe[il] = layers[il]->moe;
         }
         engine = std::make_unique<llama_expert_engine>(model, moe, n_expert, n_slots, cfg.async, prefix.c_str(), cfg.host_file,
-                                                       cfg.readers, cfg.direct);
+                                                       cfg.readers, cfg.direct,
+                                                       llama_expert_cache_config_n_ram_slots(cfg, n_expert));
         // initial fill: the policy's initial residency
         for (int32_t il = 0; il < n_layer; ++il) {
             if (layers[il]->moe) {
@@ -793,6 +794,7 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "    \"tau\": %.9g,\n", cfg.tau);
     fprintf(f, "    \"host\": \"%s\",\n", cfg.host_file ? "file" : "ram");
     fprintf(f, "    \"tau_file\": %.9g,\n", cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau);
+    fprintf(f, "    \"ram_slots\": %d,\n", llama_expert_cache_config_n_ram_slots(cfg, n_expert));
     fprintf(f, "    \"evict\": \"%s\",\n", llama_expert_evict_name(cfg.evict));
     fprintf(f, "    \"admit\": %s,\n", cfg.admit ? "true" : "false");
     fprintf(f, "    \"beta\": %.9g,\n", cfg.beta);

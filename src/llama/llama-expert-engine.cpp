@@ -210,12 +210,29 @@ static std::unique_ptr<llama_expert_file> open_model_file(const std::string & pa
 
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
                                          int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file,
-                                         int32_t readers, llama_expert_direct direct)
-        : n_expert(n_expert_), n_slots(n_slots_) {
+                                         int32_t readers, llama_expert_direct direct, int32_t n_ram_)
+        : n_expert(n_expert_), n_slots(n_slots_), n_ram(host_file ? n_ram_ : 0) {
     const std::string pfx = prefix;
     layers.resize(moe.size());
 
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+    auto ctx_for = [&](ggml_backend_buffer_type_t buft) {
+        auto it = ctx_of.find(buft);
+        if (it == ctx_of.end()) {
+            ggml_init_params params = {
+                /*.mem_size   =*/ 2*moe.size()*11*ggml_tensor_overhead(), // banks and RAM tiers of 11 tensors a layer
+                /*.mem_buffer =*/ nullptr,
+                /*.no_alloc   =*/ true,
+            };
+            ggml_context * ctx = ggml_init(params);
+            if (!ctx) {
+                throw std::runtime_error(pfx + "failed to create the ggml context of the cache banks");
+            }
+            ctxs.emplace_back(ctx);
+            it = ctx_of.emplace(buft, ctx).first;
+        }
+        return it->second;
+    };
 
     for (size_t il = 0; il < moe.size(); ++il) {
         if (!moe[il]) {
@@ -228,19 +245,11 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
         };
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
-        auto it = ctx_of.find(buft);
-        if (it == ctx_of.end()) {
-            ggml_init_params params = {
-                /*.mem_size   =*/ moe.size()*(sizeof(srcs)/sizeof(srcs[0]))*ggml_tensor_overhead(),
-                /*.mem_buffer =*/ nullptr,
-                /*.no_alloc   =*/ true,
-            };
-            ggml_context * ctx = ggml_init(params);
-            if (!ctx) {
-                throw std::runtime_error(pfx + "failed to create the ggml context of the cache banks");
-            }
-            ctxs.emplace_back(ctx);
-            it = ctx_of.emplace(buft, ctx).first;
+        ggml_context * ctx = ctx_for(buft);
+        // three tiers: the RAM tier in the device's pinned host memory (fast asynchronous copies to a GPU), else RAM
+        ggml_backend_buffer_type_t ram_buft = ggml_backend_dev_host_buffer_type(layer_dev(model, (int) il));
+        if (ram_buft == nullptr) {
+            ram_buft = ggml_backend_cpu_buffer_type();
         }
         for (ggml_tensor * src : srcs) {
             if (src == nullptr) {
@@ -273,11 +282,16 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                 ne[i] = src->ne[i];
             }
             ne[d] = n_slots + 1; // one spare slot, never written
-            ggml_tensor * bank = ggml_new_tensor(it->second, src->type, ggml_n_dims(src), ne);
+            ggml_tensor * bank = ggml_new_tensor(ctx, src->type, ggml_n_dims(src), ne);
             ggml_format_name(bank, "%s.cache", ggml_get_name(src));
             GGML_ASSERT(bank->nb[d] == src->nb[d]);
             llama_expert_engine_bank eb;
             eb.src = src; eb.bank = bank; eb.stride = src->nb[d];
+            if (n_ram > 0) {
+                ne[d] = n_ram;
+                eb.ram = ggml_new_tensor(ctx_for(ram_buft), src->type, ggml_n_dims(src), ne);
+                ggml_format_name(eb.ram, "%s.ram", ggml_get_name(src));
+            }
             if (host_file && !model.hparams.no_alloc) { // (not in a memory-fitting dry run: nothing is mapped then)
                 std::string path;
                 if (!mapped_file_of(src->data, path, eb.file_off)) {
@@ -294,6 +308,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         }
         layers[il].bank_expert.assign(n_slots, -1);
         layers[il].slot_state.assign(n_slots, LLAMA_EXPERT_SLOT_READY);
+        layers[il].ram_expert.assign(n_ram, -1);
     }
 
     no_alloc = model.hparams.no_alloc;
@@ -418,30 +433,78 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
 
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
 // async, else synchronously
-static void copy_run(llama_expert_engine_layer & L, int32_t il, int32_t s, int32_t e, int32_t n, bool async, bool fg) {
+static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, int32_t s,
+                     int32_t e, int32_t n, bool async, bool fg) {
     const int32_t mark = fg ? 2*il : 2*il + 1;
+    // three tiers (runs of one expert): from the RAM tier when it holds the expert's bytes; through it (read from
+    // the file into its slot, then copied) when the policy has just put the expert there; else from the file
+    const bool    tiered  = !L.ram_expert.empty();
+    GGML_ASSERT(!tiered || n == 1);
+    const int32_t s2      = tiered ? policy.ram_of[e] : -1;
+    const bool    from_ram = s2 >= 0 && L.ram_expert[s2] == e;
+    const bool    through  = s2 >= 0 && !from_ram;
     for (const auto & b : L.banks) {
-        const char * src = (const char *) b.src->data + (size_t) e*b.stride;
-        if (b.file != nullptr) { // host=file
-            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
+        const size_t dst = (size_t) s*b.stride, size = (size_t) n*b.stride;
+        if (from_ram) {
+            const char * src = (const char *) b.ram->data + (size_t) s2*b.stride;
             if (async) {
-                L.copier->read(mark, fg, b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride, ggml_get_name(b.src));
+                L.copier->copy(mark, fg, b.bank, src, dst, size);
             } else {
-                (void) llama_expert_read_file(b.bank, *b.file, off, (size_t) s*b.stride, (size_t) n*b.stride,
-                                              ggml_get_name(b.src)); // a failure marks the file
+                ggml_backend_tensor_set(b.bank, src, dst, size);
+            }
+        } else if (b.file != nullptr) { // host=file
+            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
+            const size_t   ram_off = (size_t) s2*b.stride;
+            if (through && async) {
+                L.copier->read_through(mark, fg, b.ram, *b.file, off, ram_off, size, ggml_get_name(b.src), b.bank, dst);
+            } else if (through) {
+                if (llama_expert_read_file(b.ram, *b.file, off, ram_off, size, ggml_get_name(b.src))) { // a failure marks the file
+                    ggml_backend_tensor_set(b.bank, (const char *) b.ram->data + ram_off, dst, size);
+                }
+            } else if (async) {
+                L.copier->read(mark, fg, b.bank, *b.file, off, dst, size, ggml_get_name(b.src));
+            } else {
+                (void) llama_expert_read_file(b.bank, *b.file, off, dst, size, ggml_get_name(b.src)); // a failure marks the file
             }
         } else if (async) {
-            L.copier->copy(mark, fg, b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
+            L.copier->copy(mark, fg, b.bank, (const char *) b.src->data + (size_t) e*b.stride, dst, size);
         } else {
-            ggml_backend_tensor_set(b.bank, src, (size_t) s*b.stride, (size_t) n*b.stride);
+            ggml_backend_tensor_set(b.bank, (const char *) b.src->data + (size_t) e*b.stride, dst, size);
         }
         L.stats.copies++;
-        L.stats.copy_bytes += (uint64_t) n*b.stride;
+        L.stats.copy_bytes += (uint64_t) size;
+    }
+    if (through) {
+        L.ram_expert[s2] = e;
     }
     for (int32_t i = 0; i < n; ++i) {
         L.bank_expert[s + i] = e + i;
     }
     L.stats.copied_experts += n;
+}
+
+// three tiers: fill the RAM slots whose expert the policy changed and no slot copy of this step read through
+// (background reads where a copier runs: waited for at the layer's next step, before any copy from them)
+static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, bool async) {
+    for (int32_t s2 = 0; s2 < (int32_t) L.ram_expert.size(); ++s2) {
+        const int32_t e = policy.ram_expert[s2];
+        if (e < 0) {
+            L.ram_expert[s2] = -1; // emptied by the policy (a reset): forgotten, so reads follow the policy's count
+            continue;
+        }
+        if (L.ram_expert[s2] == e) {
+            continue;
+        }
+        for (const auto & b : L.banks) {
+            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
+            if (async) {
+                L.copier->read(2*il + 1, false, b.ram, *b.file, off, (size_t) s2*b.stride, b.stride, ggml_get_name(b.src));
+            } else {
+                (void) llama_expert_read_file(b.ram, *b.file, off, (size_t) s2*b.stride, b.stride, ggml_get_name(b.src));
+            }
+        }
+        L.ram_expert[s2] = e;
+    }
 }
 
 void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched, int32_t n_fetched) {
@@ -493,7 +556,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             continue;
         }
         int32_t n = 1;
-        while (s + n < n_slots && policy.expert_of[s + n] == e + n && L.bank_expert[s + n] != e + n &&
+        while (L.ram_expert.empty() && s + n < n_slots && policy.expert_of[s + n] == e + n && L.bank_expert[s + n] != e + n &&
                L.slot_state[s + n] == LLAMA_EXPERT_SLOT_READY && is_fetch(e + n) == fg) {
             ++n;
         }
@@ -501,6 +564,9 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
         s += n;
     }
     if (runs.empty()) {
+        if (!L.ram_expert.empty()) {
+            fill_ram(L, il, policy, false);
+        }
         return;
     }
 
@@ -516,7 +582,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             }
             // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
             // state until the layer's next route step
-            copy_run(L, il, r.s, r.e, r.n, L.copier != nullptr, fg);
+            copy_run(L, il, policy, r.s, r.e, r.n, L.copier != nullptr, fg);
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -534,6 +600,12 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             L.copier->record(2*il);
         }
     }
+    if (!L.ram_expert.empty()) {
+        const bool async = L.copier != nullptr && fetched != nullptr;
+        fill_ram(L, il, policy, async);
+        L.ram_pending = L.ram_pending || async;
+        background = background || async;
+    }
     if (background && L.copier != nullptr) {
         L.copier->record(2*il + 1);
     }
@@ -546,13 +618,14 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
 
 void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy & policy) {
     auto & L = layers[il];
-    if (L.loading.empty()) {
+    if (L.loading.empty() && !L.ram_pending) {
         return;
     }
     const auto t_start = std::chrono::steady_clock::now();
     if (L.copier != nullptr) {
         L.copier->wait(2*il + 1);
     }
+    L.ram_pending = false;
     const auto t_waited = std::chrono::steady_clock::now();
     L.stats.wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(t_waited - t_start).count();
     bool copied = false;
@@ -561,7 +634,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
             // the policy's residency has not changed since (no decision in between): copy it now
             const int32_t e = policy.expert_of[s];
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(L, il, s, e, 1, false, true);
+            copy_run(L, il, policy, s, e, 1, false, true);
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);
@@ -672,6 +745,13 @@ struct copier_backend : llama_expert_copier {
     void copy(int32_t, bool, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
         ggml_backend_tensor_set_async(backend, bank, src, offset, size);
     }
+    // three tiers: the read into the RAM tier (pinned memory) is synchronous, its copy to the device asynchronous
+    void read_through(int32_t, bool, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off, size_t ram_offset,
+                      size_t size, const char * name, ggml_tensor * bank, size_t offset) override {
+        if (llama_expert_read_file(ram, f, file_off, ram_offset, size, name)) { // a failure marks the file
+            ggml_backend_tensor_set_async(backend, bank, (const char *) ram->data + ram_offset, offset, size);
+        }
+    }
     void record(int32_t m) override {
         ggml_backend_event_record(events[m], backend);
         recorded[m] = true;
@@ -701,6 +781,8 @@ struct copier_thread : llama_expert_copier {
         llama_expert_file * file     = nullptr; // host=file: read from the model file instead of src
         uint64_t            file_off = 0;
         const char *        name     = nullptr;
+        ggml_tensor *       then_bank   = nullptr; // three tiers: then copy the bytes read into this bank
+        size_t              then_offset = 0;
     };
     std::mutex               mtx;
     std::condition_variable  cv_job;
@@ -743,7 +825,10 @@ struct copier_thread : llama_expert_copier {
                 std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
             }
             if (j.file != nullptr) {
-                (void) llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name); // a failure marks the file
+                // a failure marks the file
+                if (llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name) && j.then_bank) {
+                    ggml_backend_tensor_set(j.then_bank, (const char *) j.bank->data + j.offset, j.then_offset, j.size);
+                }
             } else {
                 ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
             }
@@ -768,6 +853,10 @@ struct copier_thread : llama_expert_copier {
     void read(int32_t m, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset,
               size_t size, const char * name) override {
         push(urgent, { m, bank, nullptr, offset, size, &f, file_off, name });
+    }
+    void read_through(int32_t m, bool urgent, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off,
+                      size_t ram_offset, size_t size, const char * name, ggml_tensor * bank, size_t offset) override {
+        push(urgent, { m, ram, nullptr, ram_offset, size, &f, file_off, name, bank, offset });
     }
     void record(int32_t) override {} // the marks count their copies
     void wait(int32_t m) override {

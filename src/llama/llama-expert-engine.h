@@ -93,6 +93,16 @@ struct llama_expert_copier {
         (void) mark; (void) urgent;
         (void) llama_expert_read_file(bank, f, file_off, offset, size, tensor_name); // a failure marks f
     }
+    // three tiers: read from the model file into the RAM tier (ram, host memory) at ram_offset, then copy those
+    // bytes into bank at offset; by default synchronously
+    virtual void read_through(int32_t mark, bool urgent, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off,
+                              size_t ram_offset, size_t size, const char * tensor_name, ggml_tensor * bank,
+                              size_t offset) {
+        (void) mark; (void) urgent;
+        if (llama_expert_read_file(ram, f, file_off, ram_offset, size, tensor_name)) {
+            ggml_backend_tensor_set(bank, (const char *) ram->data + ram_offset, offset, size);
+        }
+    }
     virtual void record(int32_t mark) = 0;
     virtual void wait(int32_t mark) = 0;
     virtual void wait_all() = 0;
@@ -115,6 +125,9 @@ struct llama_expert_engine_bank {
     // host=file: the model file that src is mapped from, and src's offset in it (null: copy from src->data)
     llama_expert_file * file     = nullptr;
     uint64_t            file_off = 0;
+
+    // three tiers: the RAM tier of this tensor (n_ram experts, host memory: pinned where the device has it)
+    ggml_tensor * ram = nullptr;
 };
 
 struct llama_expert_engine_stats {
@@ -141,6 +154,8 @@ struct llama_expert_engine_layer {
     std::vector<int32_t> bank_expert; // slot -> expert whose bytes the banks hold (-1: empty)
     std::vector<uint8_t> slot_state;  // llama_expert_slot_state per slot
     std::vector<int32_t> loading;     // slots with a background copy in flight, or deferred
+    std::vector<int32_t> ram_expert;  // three tiers: RAM slot -> expert whose bytes the RAM tier holds (-1: empty)
+    bool                 ram_pending = false; // three tiers: RAM slot reads in flight (waited for by complete())
     llama_expert_copier * copier = nullptr; // copies into this layer's banks (null: synchronous)
     std::vector<llama_expert_engine_run> runs; // scratch of sync()
 
@@ -154,7 +169,7 @@ struct llama_expert_engine {
     // (repacked CPU weights, expert tensors not in host memory).
     llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert, int32_t n_slots,
                         llama_expert_async async, const char * prefix, bool host_file = false, int32_t readers = 1,
-                        llama_expert_direct direct = LLAMA_EXPERT_DIRECT_AUTO);
+                        llama_expert_direct direct = LLAMA_EXPERT_DIRECT_AUTO, int32_t n_ram = 0);
     ~llama_expert_engine();
 
     // host=file: the model files the banks read from (path -> file), closed with the engine
@@ -194,6 +209,7 @@ struct llama_expert_engine {
 
     int32_t n_expert = 0;
     int32_t n_slots  = 0;
+    int32_t n_ram    = 0; // three tiers (host=file): the RAM tier's slots per layer; 0: two tiers
 
     std::vector<llama_expert_engine_layer> layers;
 

@@ -15,7 +15,7 @@
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
     "mode, policy, rule, tau, tau_file, j, m, alpha, kmin, t, renorm, light, evict, admit, halve, half_life, classes, "
-    "slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, "
+    "slots, ram_slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, "
     "trace_top";
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
@@ -338,6 +338,21 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 return bad_value(err, key, val, "a number of tokens, 0 for never");
             }
             cfg.lfu_halve = (uint32_t) v;
+        } else if (key == "ram_slots") {
+            // the RAM tier's residency (three tiers: slots <- RAM tier <- model file)
+            if (!val.empty() && val.back() == '%') {
+                float v;
+                if (!parse_float(val.substr(0, val.size() - 1), v) || v <= 0.0f || v > 100.0f) {
+                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 50%");
+                }
+                cfg.ram_slots_pct = v;
+            } else {
+                uint64_t v;
+                if (!parse_uint(val, v) || v == 0 || v > INT32_MAX) {
+                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 50%");
+                }
+                cfg.ram_slots_count = (int32_t) v;
+            }
         } else if (key == "slots") {
             if (!val.empty() && val.back() == '%') {
                 float v;
@@ -449,6 +464,10 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 llama_expert_miss_rule_name(rule) + ": remove tau_file, or use rule=threshold";
             return false;
         }
+        if (key == "ram_slots" && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
+            err = "ram_slots is a RAM tier between the slots and the model file: it needs host=file";
+            return false;
+        }
         if (key == "tau_file" && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
             err = "tau_file is the threshold for misses read from the model file: it needs host=file";
             return false;
@@ -538,6 +557,11 @@ bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, in
     if (cfg.rule == LLAMA_EXPERT_MISS_SER && cfg.ser_kmin > k) {
         return bad_value(err, "kmin", std::to_string(cfg.ser_kmin), ("a number of ranks in [1, " + ks + "], the experts used per token").c_str());
     }
+    const int32_t n_ram = llama_expert_cache_config_n_ram_slots(cfg, n_expert);
+    if (cfg.host_file && (cfg.ram_slots_count >= 0 || cfg.ram_slots_pct > 0.0f) && (n_ram < k || n_ram > n_expert)) {
+        return bad_value(err, "ram_slots", std::to_string(n_ram),
+            ("a RAM tier of " + ks + " to " + es + " experts per layer (at least the experts used per token)").c_str());
+    }
     return true;
 }
 
@@ -552,6 +576,20 @@ bool llama_expert_cache_config_scales_weights(const llama_expert_cache_config & 
         default:
             return false;
     }
+}
+
+int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
+    if (!cfg.host_file) {
+        return 0;
+    }
+    if (cfg.ram_slots_count >= 0) {
+        return cfg.ram_slots_count;
+    }
+    if (cfg.ram_slots_pct > 0.0f) {
+        const int32_t n = (int32_t) std::lround((double) n_expert * cfg.ram_slots_pct / 100.0);
+        return std::max<int32_t>(1, std::min(n, n_expert));
+    }
+    return 0;
 }
 
 int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
@@ -586,8 +624,11 @@ void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const 
     n_expert  = n_expert_;
     n_slots   = std::min(n_slots_, n_expert_);
     rule      = cfg.rule;
-    // the threshold of the tier the misses come from: the model file (host=file) or memory
+    // the threshold of the tier the misses come from: the model file (host=file) or memory; with a RAM tier,
+    // tau_ram for the misses it holds
     tau       = cfg.host_file && cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau;
+    tau_ram   = cfg.tau;
+    n_ram     = std::min(llama_expert_cache_config_n_ram_slots(cfg, n_expert_), n_expert_);
     evict     = cfg.evict;
     admit     = cfg.admit;
     beta      = cfg.beta;
@@ -644,8 +685,58 @@ void llama_expert_layer_policy::reset() {
     pending.clear();
     tick  = 0;
     stats = llama_expert_policy_stats();
+    ram_of.assign(n_ram > 0 ? n_expert : 0, -1);
+    ram_expert.assign(n_ram, -1);
+    ram_last.assign(n_ram > 0 ? n_expert : 0, 0);
     for (int32_t s = 0; s < (int32_t) initial.size(); ++s) {
         place(initial[s], s);
+        if (s < n_ram) { // the RAM tier holds the initial residency too (it is filled from the file through it)
+            ram_expert[s]         = initial[s];
+            ram_of[initial[s]]    = s;
+        }
+    }
+}
+
+void llama_expert_layer_policy::ram_touch(int32_t e) {
+    if (n_ram > 0 && ram_of[e] >= 0) {
+        ram_last[e] = tick;
+    }
+}
+
+void llama_expert_layer_policy::ram_load(int32_t e) {
+    if (n_ram == 0) {
+        return;
+    }
+    if (ram_of[e] >= 0) {
+        stats.ram_tier_loads++;
+        ram_last[e] = tick;
+        return;
+    }
+    stats.file_loads++;
+    // into the RAM tier on its way: a free RAM slot, else the least recently used expert not used or loaded by
+    // this token (ties: lowest id); none (every RAM slot used by this token): the expert is not kept in RAM
+    int32_t slot = -1, victim = -1;
+    for (int32_t s = 0; s < n_ram; ++s) {
+        const int32_t x = ram_expert[s];
+        if (x < 0) {
+            slot = s;
+            break;
+        }
+        if (ram_last[x] == tick || sel_mark[x] == tick || sub_mark[x] == tick || (in_group && hold_mark[x] == group)) {
+            continue;
+        }
+        if (victim < 0 || ram_last[x] < ram_last[victim] || (ram_last[x] == ram_last[victim] && x < victim)) {
+            victim = x;
+        }
+    }
+    if (slot < 0 && victim >= 0) {
+        slot = ram_of[victim];
+        ram_of[victim] = -1;
+    }
+    if (slot >= 0) {
+        ram_expert[slot] = e;
+        ram_of[e]        = slot;
+        ram_last[e]      = tick;
     }
 }
 
@@ -886,6 +977,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         if (slot_of[e] >= 0) {
             stats.hits++;
             last_use[e]    = tick;
+            ram_touch(e);
             out_ids[r]     = e;
             out_actions[r] = LLAMA_EXPERT_ACTION_HIT;
             continue;
@@ -904,7 +996,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         bool want_fetch = false;
         switch (rule) {
             case LLAMA_EXPERT_MISS_FETCH_ALL:      want_fetch = true; break;
-            case LLAMA_EXPERT_MISS_THRESHOLD:      want_fetch = r == 0 || w[r] >= tau; break;
+            case LLAMA_EXPERT_MISS_THRESHOLD:      want_fetch = r == 0 || w[r] >= (in_ram(e) ? tau_ram : tau); break;
             case LLAMA_EXPERT_MISS_FIRST_CHOICE:   want_fetch = r == 0; break;
             case LLAMA_EXPERT_MISS_SUBSTITUTE_ALL: want_fetch = false; break;
             case LLAMA_EXPERT_MISS_CACHE_ROUTE:    want_fetch = r < route_j; break;
@@ -936,6 +1028,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             const int32_t slot = find_slot();
             if (slot >= 0) {
                 place(e, slot);
+                ram_load(e);
                 stats.fetches++;
                 last_use[e]    = tick;
                 out_ids[r]     = e;
@@ -967,6 +1060,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         mass += w[r];
         sub_mark[sub]  = tick;
         last_use[sub]  = tick;
+        ram_touch(sub);
         out_ids[r]     = sub;
         out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
         if (out_scale && rule == LLAMA_EXPERT_MISS_CACHE_ROUTE) {
@@ -1028,6 +1122,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             continue; // every slot in use by this token; the accumulator is kept, retried on the next substitution
         }
         place(e, slot);
+        ram_load(e);
         last_use[e] = tick;
         stats.admissions++;
     }

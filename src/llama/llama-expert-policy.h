@@ -129,6 +129,13 @@ struct llama_expert_cache_config {
     int32_t slots_count = -1;
     float   slots_pct   = 25.0f;
 
+    // three tiers (host=file): a RAM tier of experts per layer between the slots and the model file
+    // (ram_slots_count >= 0 wins, else ram_slots_pct > 0 percent; neither: two tiers). A miss the RAM tier holds
+    // is copied from it (the threshold rule's tau), any other is read from the file into the RAM tier and the
+    // slot (tau_file); the RAM tier evicts its least recently used expert
+    int32_t ram_slots_count = -1;
+    float   ram_slots_pct   = -1.0f;
+
     // residency by budget (mode engine or emulate): bytes of device memory for the non-expert weights, the
     // context and the cache banks there; the slots per layer are computed to fit (wins over slots)
     uint64_t vram         = 0;
@@ -172,6 +179,9 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
 
 // The number of slots per layer for a layer with n_expert experts.
 int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
+
+// The RAM tier's slots per layer (three tiers); 0: none.
+int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
 
 // The checks that need the model's experts per token k and experts per layer: j <= k, k <= m <= n_expert,
 // kmin <= k. Returns false and sets err (one line naming the key and the accepted range) on error.
@@ -250,6 +260,14 @@ struct llama_expert_layer_policy {
     std::vector<int32_t> slot_of;   // expert -> slot, -1 if not resident
     std::vector<int32_t> expert_of; // slot -> expert, -1 if empty
 
+    // three tiers: the RAM tier (n_ram slots; none when 0), LRU, inclusive of what was loaded through it
+    int32_t               n_ram   = 0;
+    float                 tau_ram = 0.15f; // rule=threshold: the threshold for misses the RAM tier holds
+    std::vector<int32_t>  ram_of;     // expert -> RAM slot, -1
+    std::vector<int32_t>  ram_expert; // RAM slot -> expert, -1
+    std::vector<uint64_t> ram_last;   // tick of the last load or use of an expert in the RAM tier
+    bool in_ram(int32_t e) const { return n_ram > 0 && ram_of[e] >= 0; }
+
     std::vector<uint32_t> use_count;  // LFU: router selections per expert (halved periodically)
     std::vector<uint64_t> last_use;   // LRU: tick of the last use of a resident expert
     std::vector<double>   admit_acc;  // admission: substituted gate mass per non-resident expert
@@ -283,6 +301,8 @@ struct llama_expert_layer_policy {
 
 private:
     int32_t find_slot(); // free slot or a victim not used by the current token; -1 if none
+    void    ram_load(int32_t e);  // three tiers: e is loaded into a slot, from the RAM tier or through it
+    void    ram_touch(int32_t e); // three tiers: e is used
     int32_t find_substitute(const float * scores, bool allow_reuse);
     int32_t find_route_substitute(const float * scores, int32_t k); // cache-route: within the top m, or -1
     void    place(int32_t e, int32_t slot);

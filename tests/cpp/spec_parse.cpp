@@ -56,7 +56,7 @@ int main(int argc, char ** argv) {
         const int n = atoi(argv[2]);
         std::mt19937 rng((uint32_t) strtoul(argv[3], nullptr, 10));
         const std::vector<std::string> keys = { "mode", "policy", "rule", "tau", "evict", "admit", "halve", "slots",
-            "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "tau_file",
+            "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "tau_file", "ram_slots",
             "profile", "profile_out", "stats", "trace", "trace_top", "j", "m", "alpha", "kmin", "t", "renorm", "light",
             "half_life", "classes", "bogus", "", " ", "==" };
         const std::vector<std::string> vals = { "engine", "emulate", "off", "quality", "speed", "fetch-all", "threshold",

@@ -713,8 +713,50 @@ static void test_group() {
     }
 }
 
+// three tiers: the RAM tier (LRU, inclusive of what is loaded through it) and the threshold per source tier
+static void test_ram_tier() {
+    const std::vector<float> scores(8, 0.0f);
+    {
+        llama_expert_layer_policy p;
+        p.init(8, 2, cfg_of("mode=emulate,host=file,rule=fetch-all,evict=lru,slots=2,ram_slots=3"));
+        CHECK(p.n_ram == 3 && p.ram_expert[0] == 0 && p.ram_expert[1] == 1 && p.ram_expert[2] == -1);
+        step(p, { 2 }, { 1.0f }, scores); // from the file, into the free RAM slot; slot of 0 (LRU, lowest id)
+        CHECK(p.stats.file_loads == 1 && p.stats.ram_tier_loads == 0 && p.in_ram(2) && !p.is_resident(0));
+        step(p, { 0 }, { 1.0f }, scores); // the RAM tier holds 0
+        CHECK(p.stats.file_loads == 1 && p.stats.ram_tier_loads == 1 && p.is_resident(0) && !p.is_resident(1));
+        step(p, { 3 }, { 1.0f }, scores); // from the file; the RAM tier evicts 1 (untouched since the start)
+        CHECK(p.stats.file_loads == 2 && p.in_ram(3) && !p.in_ram(1) && p.in_ram(0) && p.in_ram(2));
+        step(p, { 1 }, { 1.0f }, scores); // 1 is read from the file again; the RAM tier evicts 2 (LRU: tick 1)
+        CHECK(p.stats.file_loads == 3 && p.in_ram(1) && !p.in_ram(2) && p.stats.fetches == 4);
+        // two tiers (no ram_slots): nothing counted
+        llama_expert_layer_policy q;
+        q.init(8, 2, cfg_of("mode=emulate,host=file,rule=fetch-all,slots=2"));
+        step(q, { 5 }, { 1.0f }, scores);
+        CHECK(q.n_ram == 0 && q.stats.file_loads == 0 && q.stats.ram_tier_loads == 0 && q.stats.fetches == 1);
+    }
+    {
+        // k = 2; rank 1 weighs 0.4: a miss the RAM tier holds is fetched (tau = 0.1), one from the file is
+        // substituted (tau_file = 0.9)
+        llama_expert_layer_policy p;
+        p.init(8, 4, cfg_of("mode=emulate,host=file,rule=threshold,tau=0.1,tau_file=0.9,slots=4,ram_slots=6"));
+        // resident 0..3, RAM 0..3; bring 4 into RAM and slots, then push it out of the slots (not of RAM)
+        step(p, { 4, 0 }, { 0.6f, 0.4f }, scores);
+        CHECK(p.is_resident(4) && p.in_ram(4) && p.stats.file_loads == 1);
+        step(p, { 0, 1 }, { 0.6f, 0.4f }, scores); // 1 (evicted above) is in RAM: fetched from it
+        CHECK(p.stats.ram_tier_loads == 1 && p.is_resident(1));
+        step(p, { 5, 0 }, { 0.6f, 0.4f }, scores); // rank 0 from the file (first choices are fetched)
+        step(p, { 6, 1 }, { 0.6f, 0.4f }, scores);
+        CHECK(!p.is_resident(4) && p.in_ram(4));
+        auto r = step(p, { 0, 4 }, { 0.6f, 0.4f }, scores); // 4 in RAM: 0.4 >= tau -> fetched
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_FETCH && p.stats.ram_tier_loads == 2);
+        r = step(p, { 0, 7 }, { 0.6f, 0.4f }, scores); // 7 only in the file: 0.4 < tau_file -> substituted
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_SUBSTITUTE && !p.in_ram(7));
+    }
+}
+
 int main() {
     test_parse();
+    test_ram_tier();
     test_parse_anchors();
     test_cache_route();
     test_zero();
