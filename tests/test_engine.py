@@ -823,6 +823,34 @@ def test_engine_host_file_keeps_the_experts_out_of_ram(engine_text: Path, tmp_pa
 
 
 @pytest.mark.build
+def test_engine_host_file_warmup_reads_no_expert(tmp_path: Path, engine_build: Build) -> None:
+    """A warmup decode (llama_set_warmup: every expert selected, to page the weights in) with host=file computes
+    with the banks' spare slot instead of reading every expert through the mapping: the resident set stays put
+    (a program against the patched libllama; before the fix it grew by the experts, 104 -> 308 MB here)."""
+    import shutil
+
+    from harness.parsers.gguf_model import read_model_info
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    tree = engine_build.bin_dir.parents[1]
+    exe = tmp_path / "warmup_reads"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wno-deprecated-declarations", f"-I{tree / 'include'}",
+                    f"-I{tree / 'ggml' / 'include'}", str(Path(__file__).parent / "cpp" / "warmup_reads.cpp"),
+                    f"-L{engine_build.bin_dir}", "-lllama", "-lggml", "-lggml-base",
+                    f"-Wl,-rpath,{engine_build.bin_dir}", "-o", str(exe)], check=True)
+    model = write_synth_model(SynthSpec(arch="qwen3moe", n_expert=64, n_expert_used=K, n_layer=2, n_embd=512,
+                                        n_ff_exp=512, dtype="f16", seed=3), tmp_path / "warm.gguf")
+    experts = read_model_info(model).expert_bytes
+    env = {**os.environ, "LLAMA_MOE_CACHE": "mode=engine,slots=25%,host=file"}
+    out = subprocess.run([str(exe), str(model)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rc, before, after = (int(x) for x in out.stdout.split())
+    assert rc == 0 and after - before < experts // 8, (before, after, experts)
+
+
+@pytest.mark.build
 def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tmp_path: Path,
                            engine_build: Build) -> None:
     """ram=SIZE (host=file): the slots that fit in a RAM budget next to the non-expert weights (exactly the GGUF's

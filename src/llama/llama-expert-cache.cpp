@@ -561,6 +561,18 @@ static void llama_expert_cache_keep(ggml_tensor * dst, int ith, int nth, void * 
     std::memcpy(dst->data, L.scales.data(), n * sizeof(float));
 }
 
+// host=file, a warmup graph (llama_set_warmup: every expert selected, to page the weights in): every selection
+// computes with the banks' spare slot (never written: zeros, so the experts add nothing), so that the warmup reads
+// no expert through the mapping
+static void llama_expert_cache_spare(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const int32_t spare = *(const int32_t *) userdata;
+    std::fill((int32_t *) dst->data, (int32_t *) dst->data + ggml_nelements(dst), spare);
+}
+
 ggml_tensor * llama_expert_cache::build_route(
         ggml_context * ctx,
         ggml_tensor  * ids,
@@ -622,6 +634,14 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
         ggml_tensor *& weights, std::initializer_list<ggml_tensor **> expert_tensors) {
     ggml_tensor * keep  = nullptr;
     ggml_tensor * route = build_route(g.ctx0, selected, logits, exp_probs_b, gating, norm_w, g.cparams.warmup, il, &keep);
+    const bool warmup_spare = route == selected && g.cparams.warmup && engine && !engine->files.empty() &&
+        il >= 0 && il < n_layer && layers[il]->moe;
+    if (warmup_spare) {
+        ggml_tensor * args[1] = { selected };
+        route = ggml_custom_4d(g.ctx0, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, 1,
+                llama_expert_cache_spare, 1, &engine->n_slots);
+        ggml_format_name(route, "moe_cache_warmup-%d", il);
+    }
     if (route == selected) {
         return;
     }
@@ -631,7 +651,7 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
     }
     ggml_build_forward_expand(g.gf, route);
     selected = route;
-    if (banked(route)) {
+    if (banked(route) || warmup_spare) {
         // engine: the route step outputs slot ids into the cache banks
         if (g.loras) {
             for (const auto & lora : *g.loras) {
