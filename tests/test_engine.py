@@ -650,16 +650,19 @@ def test_tau_file_is_the_file_tier_threshold(engine_models: dict[str, Path], eng
 
 
 @pytest.mark.build
-@pytest.mark.parametrize(("policy", "ubatch"), [("quality", 1), ("speed", 1), ("fetch-all", 1), ("fetch-all", None)])
-def test_three_tiers(policy: str, ubatch: int | None, engine_models: dict[str, Path], engine_text: Path,
+@pytest.mark.parametrize(("policy", "ubatch", "io"), [("quality", 1, ""), ("speed", 1, ""), ("fetch-all", 1, ""),
+                                                      ("fetch-all", None, ""), ("quality", 1, ",async=off"),
+                                                      ("speed", 1, ",readers=1,direct=off")])
+def test_three_tiers(policy: str, ubatch: int | None, io: str, engine_models: dict[str, Path], engine_text: Path,
                      tmp_path: Path, stock_build: Build, engine_build: Build) -> None:
     """Three tiers (slots <- RAM tier <- model file, ram_slots=): the engine takes exactly emulate's decisions; every
     expert loaded into a slot came from the RAM tier or was read from the file through it, and the bytes read
-    from the file are exactly those loads; fetch-all through three tiers is stock bit for bit."""
+    from the file are exactly those loads (reader threads or the route step's synchronous reads, O_DIRECT or
+    buffered); fetch-all through three tiers is stock bit for bit."""
     model = engine_models["qwen3moe"]
     spec = f"policy={policy},slots=25%,host=file,ram_slots=50%"
     emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=ubatch)
-    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=ubatch)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}{io}", ubatch=ubatch)
     check_ok(emu)
     check_ok(eng)
     assert emu.stats is not None and eng.stats is not None
