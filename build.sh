@@ -7,7 +7,8 @@
 #   ./build.sh --cpu               force the CPU backend
 #   ./build.sh --only stock|patched|harness
 #   ./build.sh --jobs N
-#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all five, + llama-moe-sim)
+#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all six, + llama-moe-sim;
+#                                  llama-quantize makes the K-quant test models: harness synth --quantize)
 #   ./build.sh --share-ggml        build ggml once (in the patched tree) and link the stock tree to it: the
 #                                  patches do not touch ggml/ (checked), so this halves a CUDA build
 #   ./build.sh --offline           no network: no harness install (python3 runs the helpers), no download; the
@@ -171,7 +172,7 @@ fi
 phase trees
 
 # ---- 4. configure + build -----------------------------------------------------------------------
-targets=(llama llama-cli llama-server llama-perplexity llama-bench)
+targets=(llama llama-cli llama-server llama-perplexity llama-bench llama-quantize)
 patched_targets=(llama-moe-sim)  # tools that only the patched tree has (patches/)
 if [ -n "$want_targets" ]; then
     read -r -a targets <<<"$want_targets"
