@@ -451,7 +451,9 @@ def test_gpu_check_dry_run() -> None:
     for line in lines[1:]:
         assert f"vram={budget}M" in line and "mode=engine" in line and "-ncmoe 8" in line and "--repack 0" in line
     assert all("-lm none" in line for line in lines)  # experts in pinned memory (no mmap), for every run
-    assert "--targets llama-bench --share-ggml" in out and "--offline" not in out
+    assert "--targets llama-bench llama-quantize --share-ggml" in out and "--offline" not in out
+    # the model: Q4_K_M as people run it (f16 quantized by the build's llama-quantize)
+    assert "--quantize Q4_K_M" in out and "--dtype" not in out.split("harness synth")[1].splitlines()[0]
     # the lent GPU machine has no network: the bundle's trees, build.sh --offline, the harness from the checkout
     res = subprocess.run(["bash", str(script), "--dry-run", "--offline"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
