@@ -1115,6 +1115,8 @@ def test_kquant_engine_equals_emulate(arch: str, qtype: str, policy: str, kquant
     assert t["misses"] > 0 and t["fetches"] > 0
     if policy == "speed":
         assert t["substitutions"] > 0
+    else:  # the quality preset never substitutes a first choice nor a weight >= tau
+        assert t["subst_first_choice"] == 0 and t["max_subst_weight"] < eng.stats["config"]["tau"]
     assert e["copied_experts"] == t["fetches"] + t["admissions"]
     assert emu.nll is not None and eng.nll is not None
     np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
