@@ -1175,3 +1175,30 @@ def test_kquant_host_file(qtype: str, kquant_model: Callable[[str, str], Path], 
     for k in ("copied_experts", "copy_bytes", "bank_bytes"):
         assert fil.stats["engine"][k] == ram.stats["engine"][k], k
     assert fa.logits == stock.logits
+
+
+@pytest.mark.build
+def test_kquant_budget_is_the_harness_plan(kquant_model: Callable[[str, str], Path], engine_text: Path,
+                                           tmp_path: Path, engine_build: Build) -> None:
+    """vram= on Q4_K_M, whose layers' experts differ in size (the last layer's down experts in Q6_K): the engine's
+    bytes per slot (all MoE layers) and banks are the harness's, and a budget at the byte where a slot is gained
+    gives the same slots on both sides."""
+    from harness.domain.plan import budget_terms
+    from harness.parsers.gguf_model import read_model_info
+
+    model = kquant_model("qwen3moe", "Q4_K_M")
+    ours = budget_terms(read_model_info(model))
+
+    def run(vram: int, name: str) -> dict[str, str]:
+        r = run_ppl(engine_build, model, engine_text, tmp_path / name, f"mode=engine,vram={vram},vram_reserve=0",
+                    ubatch=1, nll=False, extra=(*NR, "--fit", "off", "-lv", "4"), want="expert cache plan")
+        line = re.search(r"expert cache plan: (.*)", r.output)
+        assert line, r.output[-2000:]
+        return dict(kv.split("=") for kv in line.group(1).split())
+
+    first = run(64 << 20, "probe")
+    assert (int(first["per_slot"]), int(first["banks"])) == (ours.per_slot, ours.n_banks), first
+    terms = dataclasses.replace(ours, weights=int(first["weights"]), context=int(first["context"]), reserve=0)
+    for vram, want in ((terms.fixed + 10 * terms.per_slot, 10), (terms.fixed + 10 * terms.per_slot - 1, 9)):
+        assert terms.slots(vram) == want
+        assert int(run(vram, f"b{vram}")["slots"]) == want
