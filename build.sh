@@ -7,11 +7,14 @@
 #   ./build.sh --cpu               force the CPU backend
 #   ./build.sh --only stock|patched|harness
 #   ./build.sh --jobs N
-#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all five, + llama-moe-sim)
+#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all six, + llama-moe-sim;
+#                                  llama-quantize makes the K-quant test models: harness synth --quantize)
 #   ./build.sh --share-ggml        build ggml once (in the patched tree) and link the stock tree to it: the
 #                                  patches do not touch ggml/ (checked), so this halves a CUDA build
 #   ./build.sh --offline           no network: no harness install (python3 runs the helpers), no download; the
 #                                  trees must exist (./build.sh, or scripts/gpu_bundle.sh's .gpu/ unpacked)
+#   ./build.sh --bindings          also install llama-cpp-python into .venv: the pinned sdist's Python package,
+#                                  without its C++ build; LLAMA_CPP_LIB_PATH=<patched bin> loads the patched libllama
 #
 # Idempotent: a second run with nothing changed finishes in seconds.
 set -euo pipefail
@@ -25,6 +28,7 @@ only=
 jobs=$(nproc 2>/dev/null || echo 2)
 offline=0
 share_ggml=0
+bindings=0
 want_targets=
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -37,8 +41,9 @@ while [ $# -gt 0 ]; do
         --jobs|-j) jobs=${2:?--jobs needs a number}; shift ;;
         --offline) offline=1 ;;
         --share-ggml) share_ggml=1 ;;
+        --bindings) bindings=1 ;;
         --targets) want_targets=${2:?--targets needs tool names}; shift ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
     esac
     shift
@@ -116,13 +121,16 @@ stock_tree="$root/vendor/llama.cpp"
 patched_tree="$root/vendor/llama.cpp-patched"
 need_sdist=0
 [ "$(cat "$stock_tree/.moe-subst-pin" 2>/dev/null)" = "$pin_id $pin_sha" ] || need_sdist=1
-if [ "$need_sdist" = 1 ] && [ -f "$sdist" ] && [ "$(sha_of "$sdist")" != "$pin_sha" ]; then
+[ "$bindings" = 1 ] && [ "$offline" = 1 ] && die "--bindings installs with pip (its build backend comes from the package index): not with --offline"
+need_download=$need_sdist  # the bindings are installed from the sdist too
+[ "$bindings" = 1 ] && need_download=1
+if [ "$need_download" = 1 ] && [ -f "$sdist" ] && [ "$(sha_of "$sdist")" != "$pin_sha" ]; then
     die "the cached $sdist does not match the pinned sha256 ($pin_sha): delete it and run again"
 fi
-if [ "$need_sdist" = 1 ] && [ ! -f "$sdist" ] && [ "$offline" = 1 ]; then
+if [ "$need_download" = 1 ] && [ ! -f "$sdist" ] && [ "$offline" = 1 ]; then
     die "--offline: no vendor/llama.cpp of the pin and no cached $sdist (unpack scripts/gpu_bundle.sh's .gpu/trees.tar.xz, or copy the sdist there)"
 fi
-if [ "$need_sdist" = 1 ] && [ ! -f "$sdist" ]; then
+if [ "$need_download" = 1 ] && [ ! -f "$sdist" ]; then
     echo "build.sh: downloading llama-cpp-python==$pin_version (source distribution, ~77 MB) from the package index"
     tmp=$(mktemp -d)
     if ! "$py" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
@@ -171,7 +179,7 @@ fi
 phase trees
 
 # ---- 4. configure + build -----------------------------------------------------------------------
-targets=(llama llama-cli llama-server llama-perplexity llama-bench)
+targets=(llama llama-cli llama-server llama-perplexity llama-bench llama-quantize)
 patched_targets=(llama-moe-sim)  # tools that only the patched tree has (patches/)
 if [ -n "$want_targets" ]; then
     read -r -a targets <<<"$want_targets"
@@ -276,6 +284,22 @@ else
     [ "$only" = stock ] || build_tree patched "$patched_tree"
 fi
 
+# ---- 4b. the Python bindings (--bindings) ----------------------------------------------------------------
+if [ "$bindings" = 1 ]; then
+    # The pinned sdist's own llama_cpp package, so that its ctypes signatures are the pinned llama.h's; its C++
+    # build is switched off (LLAMA_BUILD=OFF): the library is the patched build's, found through llama-cpp-python's
+    # LLAMA_CPP_LIB_PATH. Seconds, not a third llama.cpp build.
+    bindings_stamp="$venv/.moe-subst-bindings"
+    if [ "$(cat "$bindings_stamp" 2>/dev/null)" != "$pin_id $pin_sha" ]; then
+        echo "build.sh: installing llama-cpp-python==$pin_version into .venv (the pinned sdist's Python package, no C++ build)"
+        "$py" -m pip uninstall --quiet -y llama_cpp_python >/dev/null 2>&1 || true
+        CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$py" -m pip install "$sdist" >"$venv/pip-bindings.log" 2>&1 \
+            || { tail -n 20 "$venv/pip-bindings.log" >&2; die "pip could not install the bindings (log: .venv/pip-bindings.log)"; }
+        echo "$pin_id $pin_sha" >"$bindings_stamp"
+    fi
+    phase bindings
+fi
+
 # ---- 5. the manifest the harness reads --------------------------------------------------------------
 mkdir -p "$root/build"
 # A measurement aid preloaded into the tools by the harness and the tests: it drains llama.cpp's log at exit,
@@ -305,6 +329,7 @@ tools=$(printf '%s,' "${targets[@]}" | sed 's/^llama,//; s/,$//')
 [ "$only" = stock ] || echo "  patched: vendor/llama.cpp-patched/build-$backend/bin/{$tools}"
 if [ "$offline" = 0 ]; then
     echo "  harness: .venv/bin/harness"
+    [ "$bindings" = 1 ] && echo "  python:  LLAMA_CPP_LIB_PATH=$patched_tree/build-$backend/bin .venv/bin/python  (import llama_cpp: the patched libllama)"
     echo
     echo "next: .venv/bin/harness doctor     (what was built)"
     echo "      .venv/bin/harness compare    (stock vs the expert cache on the trained model)"

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # GPU check of the expert cache engine (issue 4, item 8), for a machine with one NVIDIA GPU.
 #
-#   scripts/gpu_check.sh [--dry-run] [--offline] [--layers N] [--dtype q4_0|q8_0] [--budget-pct P] [--reps R]
+#   scripts/gpu_check.sh [--dry-run] [--offline] [--layers N] [--dtype q4_k_m|q4_0|q8_0] [--budget-pct P] [--reps R]
 #                        [--cuda-arch A] [--out DIR]
 #
 # 1. builds (or reuses) the CUDA builds of llama-bench: ./build.sh --cuda --cuda-arch A (default 90, an
-#    H100/H200) --targets llama-bench --share-ggml (one ggml for both trees); MOE_SUBST_PATCHED_BIN=/path/to/bin uses another patched build instead.
+#    H100/H200) --targets "llama-bench llama-quantize" --share-ggml (one ggml for both trees); MOE_SUBST_PATCHED_BIN=/path/to/bin uses another patched build instead.
 #    --offline (automatic when .gpu/trees.tar.xz exists and there is no .venv: the lent GPU machine, which
 #    has no network): the trees come from the bundle that scripts/gpu_bundle.sh made (carry .gpu), the build
 #    runs with ./build.sh --offline, and the harness runs from the checkout with the machine's python3
 #    (numpy) and the pinned tree's gguf-py;
 # 2. generates a synthetic MoE with the study's expert shape: 512 experts per layer of 2048x512 (n_embd 2048,
-#    expert FFN 512), top-10, --layers N layers (default 4), --dtype q4_0 (the gguf package cannot write Q4_K);
+#    expert FFN 512), top-10, --layers N layers (default 4), --dtype q4_k_m (default: written in f16 and quantized
+#    by the build's llama-quantize, harness synth --quantize Q4_K_M: gate/up experts Q4_K, the down experts of
+#    the layers llama-quantize gives more bits in Q6_K, as in the Q4_K_M GGUFs people run);
 # 3. a VRAM budget that holds the non-expert weights plus about --budget-pct (default 25) percent of the experts
 #    (plus a reserve for the KV cache and compute buffers);
 # 4. llama-bench, decode (tg64) and prompt (pp512), under that budget:
@@ -29,7 +31,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dry=0
 offline=0
 layers=4
-dtype=q4_0
+dtype=q4_k_m
 budget_pct=25
 reps=3
 cuda_arch=90
@@ -49,7 +51,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-case "$dtype" in q4_0|q8_0|f16) ;; *) echo "gpu_check.sh: error: --dtype takes q4_0, q8_0 or f16" >&2; exit 2 ;; esac
+case "$dtype" in q4_k_m|q4_0|q8_0|f16) ;; *) echo "gpu_check.sh: error: --dtype takes q4_k_m, q4_0, q8_0 or f16" >&2; exit 2 ;; esac
 
 n_expert=512
 top_k=10
@@ -57,24 +59,47 @@ n_embd=2048
 n_ff=512
 MiB=$((1024 * 1024))
 
-# bytes per weight of the expert tensors: q4_0 = 18 bytes per 32, q8_0 = 34 per 32, f16 = 2
-case "$dtype" in
-    q4_0) bpw_num=18; bpw_den=32 ;;
-    q8_0) bpw_num=34; bpw_den=32 ;;
-    f16)  bpw_num=2;  bpw_den=1 ;;
-esac
-expert_bytes=$((3 * n_embd * n_ff * bpw_num / bpw_den))          # gate, up, down of one expert
-layer_expert_bytes=$((expert_bytes * n_expert))
+# bytes per weight of the expert tensors: q4_0 = 18 bytes per 32, q8_0 = 34 per 32, f16 = 2; q4_k_m: Q4_K (144 bytes
+# per 256) for gate and up, and for down Q6_K (210 per 256) in the layers llama-quantize's use_more_bits picks
+# (the first and last eighth, every third between), Q4_K elsewhere
+more_bits() {  # layer -> 0/1, llama-quant.cpp's use_more_bits(i_layer, n_layer)
+    local i=$1 n=$layers
+    [ "$i" -lt $((n / 8)) ] || [ "$i" -ge $((7 * n / 8)) ] || [ $(( (i - n / 8) % 3 )) -eq 2 ] && echo 1 || echo 0
+}
+layer_bytes() {  # layer -> bytes of its experts
+    local gu_num gu_den d_num d_den
+    case "$dtype" in
+        q4_0) gu_num=18; gu_den=32; d_num=18; d_den=32 ;;
+        q8_0) gu_num=34; gu_den=32; d_num=34; d_den=32 ;;
+        f16)  gu_num=2;  gu_den=1;  d_num=2;  d_den=1 ;;
+        q4_k_m) gu_num=144; gu_den=256; d_num=144; d_den=256
+                [ "$(more_bits "$1")" = 1 ] && d_num=210 ;;
+    esac
+    echo $(( n_expert * n_embd * n_ff * (2 * gu_num * d_den + d_num * gu_den) / (gu_den * d_den) ))
+}
+total_expert_bytes=0
+layer_expert_bytes=0  # the largest layer
+for ((il = 0; il < layers; il++)); do
+    b=$(layer_bytes "$il")
+    total_expert_bytes=$((total_expert_bytes + b))
+    [ "$b" -gt "$layer_expert_bytes" ] && layer_expert_bytes=$b
+done
 # non-expert weights: embeddings/output (vocab 32k) and attention, generously
 other_bytes=$((2 * 32000 * n_embd * 2 + layers * 4 * n_embd * n_embd * 2 + 256 * MiB))
 reserve=$((1024 * MiB))                                             # KV cache + compute buffers
-resident_bytes=$((layers * layer_expert_bytes * budget_pct / 100))
+resident_bytes=$((total_expert_bytes * budget_pct / 100))
 budget=$((other_bytes + reserve + resident_bytes))
 budget_mib=$((budget / MiB))
 # stock: layers whose experts stay on the GPU must fit whole; the rest go to the CPU (--n-cpu-moe)
-gpu_layers_fit=$(((budget - other_bytes - reserve) / layer_expert_bytes))
-[ "$gpu_layers_fit" -gt "$layers" ] && gpu_layers_fit=$layers
-ncmoe=$((layers - gpu_layers_fit))
+# (--n-cpu-moe N keeps the experts of the first N layers on the CPU: the GPU holds the last layers that fit)
+ncmoe=$layers
+fit_bytes=$((budget - other_bytes - reserve))
+while [ "$ncmoe" -gt 0 ]; do
+    b=$(layer_bytes $((ncmoe - 1)))
+    [ "$b" -le "$fit_bytes" ] || break
+    fit_bytes=$((fit_bytes - b))
+    ncmoe=$((ncmoe - 1))
+done
 
 model="$out/synth-e${n_expert}k${top_k}-L${layers}-${dtype}.gguf"
 if [ "$offline" = 0 ] && [ -f "$root/.gpu/trees.tar.xz" ] && [ ! -x "$root/.venv/bin/python" ]; then
@@ -96,7 +121,7 @@ run() {  # print, and run unless --dry-run
 }
 
 echo "gpu_check: model $layers layers x $n_expert experts (${n_embd}x${n_ff}, top-$top_k, $dtype):" \
-     "$((layers * layer_expert_bytes / MiB)) MiB of experts, $((layer_expert_bytes / MiB)) MiB per layer"
+     "$((total_expert_bytes / MiB)) MiB of experts, at most $((layer_expert_bytes / MiB)) MiB per layer"
 echo "gpu_check: VRAM budget $budget_mib MiB (non-expert ~$((other_bytes / MiB)) MiB + reserve $((reserve / MiB)) MiB" \
      "+ $budget_pct% of the experts); stock: --n-cpu-moe $ncmoe"
 
@@ -111,7 +136,7 @@ if [ ! -d "$root/vendor/llama.cpp" ] && [ -f "$root/.gpu/trees.tar.xz" ]; then
 fi
 # --share-ggml: ggml (nearly all of a CUDA build: ~67 CPU-minutes for one architecture) is compiled once, in
 # the patched tree, and the stock tree links to it; the patches do not touch ggml/ (build.sh checks)
-run "$root/build.sh" "${build_offline[@]}" --cuda --cuda-arch "$cuda_arch" --targets llama-bench --share-ggml \
+run "$root/build.sh" "${build_offline[@]}" --cuda --cuda-arch "$cuda_arch" --targets "llama-bench llama-quantize" --share-ggml \
     --jobs "$(nproc 2>/dev/null || echo 4)"
 stock_bin="$root/vendor/llama.cpp/build-cuda/bin"
 patched_bin="${MOE_SUBST_PATCHED_BIN:-$root/vendor/llama.cpp-patched/build-cuda/bin}"
@@ -120,8 +145,13 @@ echo "gpu_check: build done after $(( $(date +%s) - t0 )) s (stock $stock_bin, p
 # ---- 2. model
 mkdir -p "$out"
 if [ ! -f "$model" ]; then
+    if [ "$dtype" = q4_k_m ]; then
+        synth_type=(--quantize Q4_K_M)  # f16, then the build's llama-quantize (found through build/builds.json)
+    else
+        synth_type=(--dtype "$dtype")
+    fi
     run "${harness[@]}" synth -o "$model" --arch qwen3moe --layers "$layers" --experts "$n_expert" --top-k "$top_k" \
-        --embd "$n_embd" --ff "$n_ff" --heads 16 --kv-heads 4 --vocab 32000 --dtype "$dtype" --seed 1
+        --embd "$n_embd" --ff "$n_ff" --heads 16 --kv-heads 4 --vocab 32000 "${synth_type[@]}" --seed 1
 fi
 echo "gpu_check: model ready after $(( $(date +%s) - t0 )) s"
 

@@ -8,7 +8,9 @@
   background copy runs: GGML_ASSERTs in the engine), statistics consistent, every fetch and admission is one
   expert copied, admissions through the background state;
 - prefill bypass (bypass=N) gives the stock output and warms the banks; vram=SIZE fits the slots to a budget;
-- layouts that cannot be copied slot by slot (repacked CPU weights) are refused with a clear message.
+- layouts that cannot be copied slot by slot (repacked CPU weights) are refused with a clear message;
+- K-quants (Q4_K_M, which mixes Q4_K and Q6_K per tensor, and Q6_K, made by llama-quantize): cache off and
+  fetch-all are stock, the engine decides as emulate, repacked ones are refused without --no-repack, host=file.
 
 Skipped, with the reason, when the patched build has no engine mode yet. While developing, point the
 `patched_build` fixture at another build with MOE_SUBST_PATCHED_BIN=/path/to/bin (tests/conftest.py).
@@ -23,14 +25,17 @@ import os
 import random
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from harness.core.errors import HarnessError
 from harness.core.project import Build
 from harness.parsers.nll_dump import read_nll_dump_file
+from harness.tools.quantize import KQUANTS, find_quantize, write_kquant_model
 from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_synth_model
 
 N_EXPERT = 64
@@ -446,7 +451,9 @@ def test_gpu_check_dry_run() -> None:
     for line in lines[1:]:
         assert f"vram={budget}M" in line and "mode=engine" in line and "-ncmoe 8" in line and "--repack 0" in line
     assert all("-lm none" in line for line in lines)  # experts in pinned memory (no mmap), for every run
-    assert "--targets llama-bench --share-ggml" in out and "--offline" not in out
+    assert "--targets llama-bench llama-quantize --share-ggml" in out and "--offline" not in out
+    # the model: Q4_K_M as people run it (f16 quantized by the build's llama-quantize)
+    assert "--quantize Q4_K_M" in out and "--dtype" not in out.split("harness synth")[1].splitlines()[0]
     # the lent GPU machine has no network: the bundle's trees, build.sh --offline, the harness from the checkout
     res = subprocess.run(["bash", str(script), "--dry-run", "--offline"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -988,3 +995,213 @@ def test_output_paths_checked_first_and_fit_probe_writes_nothing(engine_models: 
         finally:
             p.kill()
             p.wait()
+
+
+# ---- K-quants (issue 12, item 2) ------------------------------------------------------------------------------
+# Q4_K_M and Q6_K models made by the pinned tree's llama-quantize from a synthetic f16 model (harness.tools.quantize).
+# K-quants pack 256 weights per block, so the matrices' rows are 256 wide. Q4_K_M mixes types per tensor (gate/up
+# experts Q4_K, the last layer's down experts Q6_K): the banks copy each tensor in its own type. On x86 with AVX2
+# ggml repacks Q4_K (not Q6_K) into its CPU_REPACK layout unless --no-repack: every engine run passes -nr, and
+# the stock runs it is compared with too (repacked kernels sum in another order).
+KQ_ARCHS = ("qwen3moe", "hy_v3")
+KQ_EXPERT, KQ_K = 32, 4
+NR = ("-nr",)
+
+
+@pytest.fixture(scope="module")
+def kquant_model(tmp_path_factory: pytest.TempPathFactory, stock_build: Build,
+                 patched_build: Build) -> Callable[[str, str], Path]:
+    """(arch, qtype) -> the K-quant model, made on first use."""
+    try:
+        tool = find_quantize({"stock": stock_build, "patched": patched_build})
+    except HarnessError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("kquant-models")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, qtype: str) -> Path:
+        if (arch, qtype) not in made:
+            spec = SynthSpec(arch=arch, n_expert=KQ_EXPERT, n_expert_used=KQ_K, n_layer=N_LAYER, n_embd=256,
+                             n_ff_exp=256, n_ff_shexp=256, seed=5)
+            made[(arch, qtype)] = write_kquant_model(spec, qtype, out / f"{arch}-{qtype}.gguf", tool)
+        return made[(arch, qtype)]
+
+    return get
+
+
+def _expert_types(model: Path) -> dict[str, set[str]]:
+    """tensor kind (ffn_down_exps, ...) -> the set of ggml types its layers are stored in."""
+    import gguf
+
+    kinds: dict[str, set[str]] = {}
+    for t in gguf.GGUFReader(model).tensors:
+        if t.name.endswith("_exps.weight"):
+            kinds.setdefault(t.name.split(".")[2], set()).add(t.tensor_type.name)
+    return kinds
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", KQ_ARCHS)
+def test_kquant_models_mix_types(arch: str, kquant_model: Callable[[str, str], Path]) -> None:
+    """The test models are the K-quants they are named after: no fallback types; Q4_K_M mixes Q4_K and Q6_K."""
+    q4km, q6k = _expert_types(kquant_model(arch, "Q4_K_M")), _expert_types(kquant_model(arch, "Q6_K"))
+    assert q4km["ffn_down_exps"] == {"Q4_K", "Q6_K"}  # layer 0 in Q4_K, the last layer in Q6_K
+    for kind in ("ffn_gate_up_exps",) if arch == "hy_v3" else ("ffn_gate_exps", "ffn_up_exps"):
+        assert q4km[kind] == {"Q4_K"}, kind
+    assert all(types == {"Q6_K"} for types in q6k.values()), q6k
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("arch", KQ_ARCHS)
+def test_kquant_off_and_emulate_fetch_all_are_stock(arch: str, qtype: str, kquant_model: Callable[[str, str], Path],
+                                                    engine_text: Path, tmp_path: Path, stock_build: Build,
+                                                    patched_build: Build) -> None:
+    """Cache unset, mode=off and emulate fetch-all: the stock output bit for bit (weights repacked where ggml
+    repacks them: emulate copies nothing)."""
+    model = kquant_model(arch, qtype)
+    stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", nll=False)
+    unset = run_ppl(patched_build, model, engine_text, tmp_path / "unset")
+    off = run_ppl(patched_build, model, engine_text, tmp_path / "off", "mode=off")
+    emu = run_ppl(patched_build, model, engine_text, tmp_path / "emu", "mode=emulate,policy=fetch-all,slots=25%")
+    for r in (stock, unset, off, emu):
+        check_ok(r)
+    assert unset.logits == stock.logits and off.logits == stock.logits and emu.logits == stock.logits
+    assert unset.nll is not None and emu.nll is not None and emu.nll.tobytes() == unset.nll.tobytes()
+    assert emu.stats is not None
+    t = emu.stats["total"]
+    assert t["misses"] > 0 and t["fetches"] == t["misses"] and t["substitutions"] == 0
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("ubatch", [1, None])
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("arch", KQ_ARCHS)
+def test_kquant_engine_fetch_all_is_stock(arch: str, qtype: str, ubatch: int | None,
+                                          kquant_model: Callable[[str, str], Path], engine_text: Path, tmp_path: Path,
+                                          stock_build: Build, engine_build: Build) -> None:
+    """Engine fetch-all copies every missed expert, each tensor in its own K-quant type, into the banks: the stock
+    output bit for bit, one-token ubatches (the banks) and the default (the full tensors)."""
+    model = kquant_model(arch, qtype)
+    stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", ubatch=ubatch, nll=False, extra=NR)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", "mode=engine,policy=fetch-all,slots=25%",
+                  ubatch=ubatch, extra=NR)
+    check_ok(stock)
+    check_ok(eng)
+    assert eng.logits == stock.logits
+    assert eng.stats is not None
+    t, e = eng.stats["total"], eng.stats["engine"]
+    assert t["misses"] > 0 and t["fetches"] == t["misses"] and t["substitutions"] == 0
+    if ubatch == 1:
+        assert e["copied_experts"] == t["fetches"]
+    else:
+        assert 0 < e["copied_experts"] <= t["fetches"]
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("policy", ["quality", "speed"])
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("arch", KQ_ARCHS)
+def test_kquant_engine_equals_emulate(arch: str, qtype: str, policy: str, kquant_model: Callable[[str, str], Path],
+                                      engine_text: Path, tmp_path: Path, engine_build: Build) -> None:
+    """The presets on a K-quant: the engine decides exactly as emulate mode and gives its values."""
+    model = kquant_model(arch, qtype)
+    spec = f"policy={policy},slots=25%"
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=1, extra=NR)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=1, extra=NR)
+    check_ok(emu)
+    check_ok(eng)
+    assert emu.stats is not None and eng.stats is not None
+    check_consistent(eng.stats)
+    same_decisions(emu.stats, eng.stats)
+    t, e = eng.stats["total"], eng.stats["engine"]
+    assert t["misses"] > 0 and t["fetches"] > 0
+    if policy == "speed":
+        assert t["substitutions"] > 0
+    else:  # the quality preset never substitutes a first choice nor a weight >= tau
+        assert t["subst_first_choice"] == 0 and t["max_subst_weight"] < eng.stats["config"]["tau"]
+    assert e["copied_experts"] == t["fetches"] + t["admissions"]
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_repacked_refused(qtype: str, kquant_model: Callable[[str, str], Path], engine_text: Path,
+                                 tmp_path: Path, stock_build: Build, engine_build: Build) -> None:
+    """Where ggml repacks the K-quant (stock's load log shows a CPU_REPACK buffer: Q4_K on AVX2; Q6_K on ARM with
+    i8mm or dotprod), the engine without -nr refuses with the --no-repack message and runs with -nr; where it does
+    not, the engine runs without -nr."""
+    model = kquant_model("qwen3moe", qtype)
+    stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", nll=False, want="model buffer size",
+                    extra=("-lv", "4"))
+    check_ok(stock)
+    repacked = "CPU_REPACK model buffer size" in stock.output
+    if qtype == "Q4_K_M" and re.search(r"\bavx2\b", Path("/proc/cpuinfo").read_text(errors="replace")):
+        assert repacked, "ggml repacks Q4_K on an AVX2 CPU"
+    spec = "mode=engine,policy=quality,slots=25%"
+    plain = run_ppl(engine_build, model, engine_text, tmp_path / "plain", spec, ubatch=1, want="--no-repack"
+                    if repacked else "")
+    if repacked:
+        if plain.returncode in (-4, 132):
+            pytest.skip("this CPU crashes (SIGILL) in ggml's repack kernels while loading, before the engine's check")
+        assert plain.returncode != 0
+        assert "repacked CPU layout): pass --no-repack (-nr)" in plain.output, plain.output[-2000:]
+        nr = run_ppl(engine_build, model, engine_text, tmp_path / "nr", spec, ubatch=1, extra=NR)
+        check_ok(nr)
+        assert nr.stats is not None and nr.stats["engine"]["copied_experts"] > 0
+    else:
+        check_ok(plain)
+        assert plain.stats is not None and plain.stats["engine"]["copied_experts"] > 0
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_host_file(qtype: str, kquant_model: Callable[[str, str], Path], engine_text: Path, tmp_path: Path,
+                          stock_build: Build, engine_build: Build) -> None:
+    """host=file reads each missed K-quant expert from the model file, every tensor at its own offset and size:
+    host=ram's decisions, copies and output; fetch-all through the file is stock."""
+    model = kquant_model("qwen3moe", qtype)
+    spec = "mode=engine,policy=quality,slots=25%"
+    ram = run_ppl(engine_build, model, engine_text, tmp_path / "ram", spec, ubatch=1, extra=NR)
+    fil = run_ppl(engine_build, model, engine_text, tmp_path / "file", spec + ",host=file", ubatch=1,
+                  extra=(*NR, "-lv", "4"))
+    fa = run_ppl(engine_build, model, engine_text, tmp_path / "fa", "mode=engine,policy=fetch-all,slots=25%,host=file",
+                 ubatch=1, nll=False, extra=NR)
+    stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", ubatch=1, nll=False, extra=NR)
+    for r in (ram, fil, fa, stock):
+        check_ok(r)
+    assert "host=file: missed experts are read from 1 model file(s)" in fil.output
+    assert ram.stats is not None and fil.stats is not None
+    same_decisions(ram.stats, fil.stats)
+    assert fil.logits == ram.logits
+    for k in ("copied_experts", "copy_bytes", "bank_bytes"):
+        assert fil.stats["engine"][k] == ram.stats["engine"][k], k
+    assert fa.logits == stock.logits
+
+
+@pytest.mark.build
+def test_kquant_budget_is_the_harness_plan(kquant_model: Callable[[str, str], Path], engine_text: Path,
+                                           tmp_path: Path, engine_build: Build) -> None:
+    """vram= on Q4_K_M, whose layers' experts differ in size (the last layer's down experts in Q6_K): the engine's
+    bytes per slot (all MoE layers) and banks are the harness's, and a budget at the byte where a slot is gained
+    gives the same slots on both sides."""
+    from harness.domain.plan import budget_terms
+    from harness.parsers.gguf_model import read_model_info
+
+    model = kquant_model("qwen3moe", "Q4_K_M")
+    ours = budget_terms(read_model_info(model))
+
+    def run(vram: int, name: str) -> dict[str, str]:
+        r = run_ppl(engine_build, model, engine_text, tmp_path / name, f"mode=engine,vram={vram},vram_reserve=0",
+                    ubatch=1, nll=False, extra=(*NR, "--fit", "off", "-lv", "4"), want="expert cache plan")
+        line = re.search(r"expert cache plan: (.*)", r.output)
+        assert line, r.output[-2000:]
+        return dict(kv.split("=") for kv in line.group(1).split())
+
+    first = run(64 << 20, "probe")
+    assert (int(first["per_slot"]), int(first["banks"])) == (ours.per_slot, ours.n_banks), first
+    terms = dataclasses.replace(ours, weights=int(first["weights"]), context=int(first["context"]), reserve=0)
+    for vram, want in ((terms.fixed + 10 * terms.per_slot, 10), (terms.fixed + 10 * terms.per_slot - 1, 9)):
+        assert terms.slots(vram) == want
+        assert int(run(vram, f"b{vram}")["slots"]) == want

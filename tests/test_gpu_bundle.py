@@ -4,7 +4,8 @@ with ./build.sh --offline --share-ggml (no pip, no download; ggml compiled once)
 checkout with the pinned tree's gguf-py instead of an installed gguf package.
 
 Here: bundle, unpack into a fresh copy of the checkout, build llama-bench offline (CPU backend; ccache makes it
-quick), run both builds on a generated model, and generate that model with gguf taken from the bundle's gguf-py.
+quick), run both builds on a generated model, and generate that model (Q4_K_M, by the bundle build's llama-quantize)
+with gguf taken from the bundle's gguf-py.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def test_bundle_builds_offline_and_runs(tmp_path: Path, stock_build: Build, patc
     # no network, no pip: a python3 on PATH that is not the .venv's proves nothing extra here, so the build's
     # helpers run with this interpreter; --offline must neither create .venv nor download anything
     env = {**os.environ, "MOE_SUBST_CACHE": str(tmp_path / "no-cache")}
-    res = subprocess.run(["bash", str(work / "build.sh"), "--offline", "--cpu", "--targets", "llama-bench",
-                          *(["--share-ggml"] if share_ggml else []), "--jobs", "2"],
+    res = subprocess.run(["bash", str(work / "build.sh"), "--offline", "--cpu", "--targets",
+                          "llama-bench llama-quantize", *(["--share-ggml"] if share_ggml else []), "--jobs", "2"],
                          capture_output=True, text=True, timeout=1800, env=env, cwd=work)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "from a bundle of the current series" in res.stdout
@@ -92,10 +93,13 @@ def test_bundle_builds_offline_and_runs(tmp_path: Path, stock_build: Build, patc
                          capture_output=True, text=True, env=env_py, cwd=tmp_path, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [str(gguf_py / "gguf" / "__init__.py"), str(work / "harness" / "__init__.py")]
+    # a Q4_K_M model, as gpu_check.sh makes it: f16, then the bundle build's llama-quantize (from its builds.json)
     res = subprocess.run([sys.executable, "-m", "harness", "synth", "-o", str(model), "--arch", "qwen3moe",
-                          "--layers", "2", "--experts", "32", "--top-k", "4", "--dtype", "q8_0"],
+                          "--layers", "2", "--experts", "32", "--top-k", "4", "--embd", "256", "--ff", "256",
+                          "--quantize", "Q4_K_M"],
                          capture_output=True, text=True, env=env_py, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr
+    assert "Q4_K_M" in res.stdout and not (tmp_path / "m-f16.gguf").exists()
 
     stats = tmp_path / "stats.json"
     for tree, spec in (("llama.cpp", None),

@@ -55,6 +55,12 @@ def _cmd_synth(args: argparse.Namespace) -> int:
                            n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff,
                            n_ff_shexp=args.ff_shexp, n_head=args.heads, n_head_kv=args.kv_heads,
                            n_ctx=args.ctx, n_vocab=args.vocab, dtype=args.dtype, seed=args.seed)
+    if args.quantize:
+        from harness.tools import quantize
+
+        path = quantize.write_kquant_model(spec, args.quantize, args.output)
+        console.print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MiB, {args.quantize}): {spec}")
+        return 0
     path = synth.write_synth_model(spec, args.output)
     console.print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MiB): {spec}")
     return 0
@@ -365,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, default=512, help="training context length")
     s.add_argument("--vocab", type=int, default=512, help="vocabulary size (>= 259)")
     s.add_argument("--dtype", default="f32", help="f32, f16, q8_0, q4_0 (the gguf package cannot write q4_k: "
-                   "write f16 and quantize with llama-quantize)")
+                   "use --quantize)")
+    s.add_argument("--quantize", metavar="TYPE", choices=("Q4_K_M", "Q6_K"), help="K-quant: write f16, then run "
+                   "the build's llama-quantize to TYPE (Q4_K_M or Q6_K; rows multiples of 256: --embd, --ff, "
+                   "--ff-shexp)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
 

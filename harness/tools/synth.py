@@ -23,8 +23,8 @@ about 2 (different tokens pick different experts). The router (``ffn_gate_inp``)
 F32 whatever ``dtype`` says; every other matrix is written in ``dtype``. Quantized types need the
 matrix rows (``n_embd``, ``n_ff_exp``, ``n_ff_shexp``) to be multiples of the type's block size (32 for
 Q8_0/Q4_0). Q4_K is listed but the gguf package (0.19.0) cannot quantize to it (it only dequantizes
-K-quants), so asking for it raises a HarnessError saying so; make an f16 model and run llama-quantize
-instead.
+K-quants), so asking for it raises a HarnessError saying so; harness.tools.quantize (``harness synth
+--quantize Q4_K_M``) writes f16 and runs the build's llama-quantize instead.
 
 The same seed gives a byte-identical file (for a given numpy and gguf version): every tensor draws from
 its own generator seeded by (seed, tensor name).
@@ -190,7 +190,7 @@ def check_spec(spec: SynthSpec) -> None:
     dt = _dtype(spec.dtype)
     if not _can_quantize(dt):
         raise bad(f"dtype {spec.dtype} cannot be written: the gguf package {_gguf_version()} has no quantizer "
-                  f"for {spec.dtype.upper()} (only a dequantizer); write f16 and run llama-quantize, "
+                  f"for {spec.dtype.upper()} (only a dequantizer); use harness synth --quantize (llama-quantize), "
                   f"or use one of {', '.join(d for d in DTYPES if _can_quantize(_dtype(d)))}")
     if dt.block > 1:
         rows = {"n_embd": spec.n_embd, "n_ff_exp": spec.n_ff_exp}

@@ -26,6 +26,10 @@ struct llama_expert_cache_counters {
     LLAMA_EXPERT_ROUTE_COUNTERS(LLAMA_EXPERT_COUNTER_FIELD)
 };
 
+// C linkage: bindings that load libllama by symbol name (llama-cpp-python's ctypes, harness.tools.bindings) call
+// these as llama.h's functions
+extern "C" {
+
 // false when the context has no expert cache (LLAMA_MOE_CACHE unset or mode=off)
 LLAMA_API bool llama_expert_cache_counters_get(const struct llama_context * ctx, struct llama_expert_cache_counters * out);
 
@@ -34,6 +38,8 @@ LLAMA_API bool llama_expert_cache_counters_get(const struct llama_context * ctx,
 // returns the length of the whole text; 0 when the context has no expert cache.
 LLAMA_API int32_t llama_expert_cache_metrics(const struct llama_context * ctx, char * buf, size_t size);
 LLAMA_API int32_t llama_expert_cache_props  (const struct llama_context * ctx, char * buf, size_t size);
+
+}
 
 // either text as a std::string (empty when the context has no expert cache)
 inline std::string llama_expert_cache_text(int32_t (*fn)(const llama_context *, char *, size_t), const llama_context * ctx) {
