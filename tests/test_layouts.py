@@ -1,0 +1,137 @@
+"""The expert cache on the layouts people download (issue 12): mixtral, gpt-oss and deepseek2, at f16 and q8_0.
+
+Per layout and type, on small generated models with the built binaries:
+- stock llama.cpp of the pin loads and runs the model (the stock runs below);
+- the cache off is the stock build bit for bit; emulate fetch-all and engine fetch-all (one-token and default
+  ubatches) are stock bit for bit;
+- engine decode takes the same decisions as emulate mode and gives the same values;
+- the quality preset never substitutes a first choice or an expert of gate weight >= tau;
+- gpt-oss: the per-expert biases (``ffn_*_exps.bias``) have cache banks, counted in the bank bytes, and are
+  copied with every expert.
+
+The original layouts (qwen3moe, qwen2moe, hy_v3) are covered by test_engine.py and test_expert_cache.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_engine import N_CHUNKS, N_CTX, N_LAYER, check_consistent, check_ok, run_ppl, same_decisions
+
+from harness.core.project import Build
+from harness.tools.synth import SynthSpec, synth_text, write_synth_model
+
+LAYOUTS = ("mixtral", "gpt-oss", "deepseek2")
+TYPES = ("f16", "q8_0")
+N_EXPERT = 64
+K = 8
+SLOTS = 16  # 25%
+
+
+@pytest.fixture(scope="module")
+def layout_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    out = tmp_path_factory.mktemp("layout-models")
+    return {(arch, dtype): write_synth_model(SynthSpec(arch=arch, n_expert=N_EXPERT, n_expert_used=K,
+                                                       n_layer=N_LAYER, dtype=dtype, seed=5),
+                                             out / f"{arch}-{dtype}.gguf")
+            for arch in LAYOUTS for dtype in TYPES}
+
+
+@pytest.fixture(scope="module")
+def layout_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("layout-text") / "text.txt"
+    path.write_text(synth_text(12000, seed=2))
+    return path
+
+
+_probe: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def layout_build(patched_build: Build, layout_models: dict[tuple[str, str], Path], layout_text: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Build:
+    key = str(patched_build.bin_dir)
+    if key not in _probe:
+        r = run_ppl(patched_build, layout_models[("mixtral", "f16")], layout_text, tmp_path_factory.mktemp("probe"),
+                    "mode=bogus", nll=False, want="accepted")
+        _probe[key] = r.output
+    if "off, emulate, engine" not in _probe[key]:
+        pytest.skip("the patched build has no expert cache engine mode (mode=engine) yet")
+    return patched_build
+
+
+def _expert_bytes(arch: str, dtype: str) -> tuple[int, int]:
+    """(bytes of one expert's weights, bytes of its biases) in one layer, as the generated file stores them."""
+    from harness.tools.synth import expected_bytes_per_expert
+
+    spec = SynthSpec(arch=arch, n_expert=N_EXPERT, n_expert_used=K, n_layer=N_LAYER, dtype=dtype, seed=5)
+    biases = 4 * (2 * spec.n_ff_exp + spec.n_embd) if arch == "gpt-oss" else 0  # F32 gate, up and down biases
+    return expected_bytes_per_expert(spec), biases
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("dtype", TYPES)
+@pytest.mark.parametrize("arch", LAYOUTS)
+def test_layout_off_and_fetch_all_are_stock(arch: str, dtype: str, layout_models: dict[tuple[str, str], Path],
+                                            layout_text: Path, tmp_path: Path, stock_build: Build,
+                                            layout_build: Build) -> None:
+    model = layout_models[(arch, dtype)]
+    spec = f"policy=fetch-all,slots={SLOTS}"
+    for ubatch in (1, None):
+        tag = f"ub{ubatch}"
+        stock = run_ppl(stock_build, model, layout_text, tmp_path / f"stock-{tag}", ubatch=ubatch, nll=False)
+        check_ok(stock)
+        runs = {
+            "off": run_ppl(layout_build, model, layout_text, tmp_path / f"off-{tag}", ubatch=ubatch, nll=False),
+            "engine": run_ppl(layout_build, model, layout_text, tmp_path / f"eng-{tag}", f"mode=engine,{spec}",
+                              ubatch=ubatch, nll=False),
+        }
+        if ubatch is None:
+            runs["emulate"] = run_ppl(layout_build, model, layout_text, tmp_path / f"emu-{tag}",
+                                      f"mode=emulate,{spec}", ubatch=ubatch, nll=False)
+        for name, r in runs.items():
+            check_ok(r)
+            assert r.logits == stock.logits, (name, tag)
+        for name in ("engine", "emulate"):
+            if name not in runs:
+                continue
+            stats = runs[name].stats
+            assert stats is not None
+            t = stats["total"]
+            assert t["misses"] > 0 and t["fetches"] == t["misses"] and t["substitutions"] == 0, (name, tag)
+        eng = runs["engine"].stats
+        assert eng is not None and eng["engine"]["copied_experts"] > 0
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("dtype", TYPES)
+@pytest.mark.parametrize("arch", LAYOUTS)
+def test_layout_engine_equals_emulate_and_quality_protects(arch: str, dtype: str,
+                                                           layout_models: dict[tuple[str, str], Path],
+                                                           layout_text: Path, tmp_path: Path,
+                                                           layout_build: Build) -> None:
+    model = layout_models[(arch, dtype)]
+    spec = f"policy=quality,slots={SLOTS}"
+    emu = run_ppl(layout_build, model, layout_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=1)
+    eng = run_ppl(layout_build, model, layout_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=1)
+    check_ok(emu)
+    check_ok(eng)
+    assert emu.stats is not None and eng.stats is not None
+    check_consistent(eng.stats)
+    same_decisions(emu.stats, eng.stats)
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+    t, e = eng.stats["total"], eng.stats["engine"]
+    assert t["tokens"] == N_CHUNKS * N_CTX
+    # the quality preset substitutes, but never a first choice nor an expert of gate weight >= tau
+    assert t["substitutions"] > 0
+    assert t["subst_first_choice"] == 0
+    assert t["max_subst_weight"] < eng.stats["config"]["tau"]
+    # decode: every fetch and admission is one whole expert copied, biases (gpt-oss) included
+    assert e["copied_experts"] == t["fetches"] + t["admissions"]
+    weights, biases = _expert_bytes(arch, dtype)
+    assert e["copy_bytes"] == e["copied_experts"] * (weights + biases)
+    # the banks: slots + 1 spare per layer, of every routed-expert tensor (gpt-oss: its _b biases too)
+    assert e["bank_bytes"] == N_LAYER * (SLOTS + 1) * (weights + biases)
