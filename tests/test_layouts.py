@@ -7,7 +7,12 @@ Per layout and type, on small generated models with the built binaries:
 - engine decode takes the same decisions as emulate mode and gives the same values;
 - the quality preset never substitutes a first choice or an expert of gate weight >= tau;
 - gpt-oss: the per-expert biases (``ffn_*_exps.bias``) have cache banks, counted in the bank bytes, and are
-  copied with every expert.
+  copied with every expert;
+- gating (every layout, the original three too): the gate weights the route step recomputes on the host from
+  the router logits equal the weights llama.cpp's graph computes (softmax, sigmoid, softmax after top-k, router
+  and selection biases, normalisation), up to the model's expert_weights_scale, which the graph applies after
+  (deepseek2: 2.5; the policy's tau applies to the weights before it). LLAMA_MOE_CACHE_TEST_GATING adds a check
+  op after the router that compares the two for every selection and reports the ratio in the statistics.
 
 The original layouts (qwen3moe, qwen2moe, hy_v3) are covered by test_engine.py and test_expert_cache.py.
 """
@@ -21,7 +26,7 @@ import pytest
 from test_engine import N_CHUNKS, N_CTX, N_LAYER, check_consistent, check_ok, run_ppl, same_decisions
 
 from harness.core.project import Build
-from harness.tools.synth import SynthSpec, synth_text, write_synth_model
+from harness.tools.synth import ARCHS, DEEPSEEK2_WEIGHTS_SCALE, SynthSpec, synth_text, write_synth_model
 
 LAYOUTS = ("mixtral", "gpt-oss", "deepseek2")
 TYPES = ("f16", "q8_0")
@@ -135,3 +140,22 @@ def test_layout_engine_equals_emulate_and_quality_protects(arch: str, dtype: str
     assert e["copy_bytes"] == e["copied_experts"] * (weights + biases)
     # the banks: slots + 1 spare per layer, of every routed-expert tensor (gpt-oss: its _b biases too)
     assert e["bank_bytes"] == N_LAYER * (SLOTS + 1) * (weights + biases)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("ubatch", [1, None])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gating_equals_the_graph(arch: str, ubatch: int | None, layout_text: Path, tmp_path: Path,
+                                 layout_build: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = write_synth_model(SynthSpec(arch=arch, n_expert=N_EXPERT, n_expert_used=K, n_layer=N_LAYER,
+                                        dtype="f16", seed=5), tmp_path / f"{arch}.gguf")
+    monkeypatch.setenv("LLAMA_MOE_CACHE_TEST_GATING", "1")
+    r = run_ppl(layout_build, model, layout_text, tmp_path / "run", f"mode=engine,policy=quality,slots={SLOTS}",
+                ubatch=ubatch, nll=False)
+    check_ok(r)
+    assert r.stats is not None
+    g = r.stats["gating_check"]
+    assert g["checked"] == r.stats["total"]["calls"] > 0  # every selection of every token-layer
+    scale = DEEPSEEK2_WEIGHTS_SCALE if arch == "deepseek2" else 1.0
+    assert g["ratio_min"] == pytest.approx(scale, rel=1e-5)
+    assert g["ratio_max"] == pytest.approx(scale, rel=1e-5)

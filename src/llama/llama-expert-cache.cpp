@@ -55,6 +55,7 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     // a memory-fitting dry run (llama.cpp's -fit probe) sizes the cache but never runs: it writes, prints and
     // traces nothing, so that no all-zero statistics file is left looking like the run's
     dry_run = hparams.no_alloc;
+    test_gating = getenv("LLAMA_MOE_CACHE_TEST_GATING") != nullptr;
     if (!dry_run) {
         // the output paths are checked now, not after a long run
         for (const std::string * path : { &cfg.stats, &cfg.profile_out }) {
@@ -250,6 +251,9 @@ void llama_expert_cache::reset() {
         L->policy.reset();
         L->route_ns      = 0;
         L->route_tokens  = 0;
+        L->gating_checked   = 0;
+        L->gating_ratio_min = 1e300;
+        L->gating_ratio_max = -1e300;
         L->bypass_tokens = 0;
     }
     if (engine) {
@@ -475,6 +479,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     if (cache.cfg.bypass > 0 && T >= (int64_t) cache.cfg.bypass) {
         // prefill bypass: stock routing with the full expert tensors, then warm the residency
         L.warm_counts.assign(E, 0);
+        L.gate_w.clear(); // not gated on the host
         L.actions.assign((size_t) T * k, LLAMA_EXPERT_ACTION_HIT);
         L.scales.assign((size_t) T * k, 1.0f);
         for (int64_t t = 0; t < T; ++t) {
@@ -508,6 +513,9 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     L.actions.resize((size_t) T * k);
     L.scales.resize((size_t) T * k);
     L.w.resize(k);
+    if (cache.test_gating) {
+        L.gate_w.resize((size_t) T * k);
+    }
     if (need_probs) {
         L.probs.resize(E);
         if (bias) {
@@ -528,6 +536,9 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         }
 
         const float * scores = route_gate(L, id, lg, bias ? (const float *) bias->data : nullptr, k, E, need_probs);
+        if (cache.test_gating) {
+            std::copy(w, w + k, L.gate_w.data() + t*k);
+        }
 
         L.policy.decide(id, w, k, scores, out, act, sc);
 
@@ -547,6 +558,35 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
     L.route_tokens += (uint64_t) T;
+}
+
+// LLAMA_MOE_CACHE_TEST_GATING: the graph's gate weights [1, k, n_tokens] (src[1]) against the route step's, as
+// the ratio graph/route per selection (min and max over the run; the stats file reports them)
+static void llama_expert_cache_check_gating(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto & L = *(llama_expert_cache_layer *) userdata;
+    const ggml_tensor * weights = dst->src[1];
+    const int64_t k = weights->ne[1];
+    const int64_t T = weights->ne[2];
+    *(float *) dst->data = 0.0f;
+    if ((int64_t) L.gate_w.size() != k*T) {
+        return; // a bypassed ubatch: not gated on the host
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t r = 0; r < k; ++r) {
+            const float gw = *(const float *) ((const char *) weights->data + r*weights->nb[1] + t*weights->nb[2]);
+            const float w  = L.gate_w[t*k + r];
+            if (w > 1e-6f) {
+                const double ratio = (double) gw / w;
+                L.gating_ratio_min = std::min(L.gating_ratio_min, ratio);
+                L.gating_ratio_max = std::max(L.gating_ratio_max, ratio);
+                L.gating_checked++;
+            }
+        }
+    }
 }
 
 static void llama_expert_cache_keep(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -665,6 +705,17 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
         for (ggml_tensor ** t : expert_tensors) {
             *t = bank(il, *t);
         }
+    }
+    if (test_gating && il >= 0 && il < n_layer && layers[il]->moe && weights->type == GGML_TYPE_F32 &&
+            weights->ne[0] == 1 && weights->ne[1] == route->ne[0] && weights->ne[2] == route->ne[1]) {
+        ggml_tensor * cargs[2] = { route, weights };
+        ggml_tensor * chk = ggml_custom_4d(g.ctx0, GGML_TYPE_F32, 1, 1, 1, 1, cargs, 2,
+                llama_expert_cache_check_gating, 1, layers[il].get());
+        ggml_format_name(chk, "moe_cache_check_gating-%d", il);
+        if (g.backend_cpu) {
+            ggml_backend_sched_set_tensor_backend(g.sched, chk, g.backend_cpu);
+        }
+        ggml_build_forward_expand(g.gf, chk);
     }
     if (keep) {
         if (g.backend_cpu) {
@@ -861,6 +912,17 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "  \"bypass_token_layers\": %llu,\n", (unsigned long long) bypass_tl);
     fprintf(f, "  \"route_ns\": %llu,\n", (unsigned long long) route_ns);
     fprintf(f, "  \"route_ns_per_token_layer\": %.6g,\n", route_tokens ? (double) route_ns / route_tokens : 0.0);
+    if (test_gating) {
+        uint64_t checked = 0;
+        double rmin = 1e300, rmax = -1e300;
+        for (const auto & L : layers) {
+            checked += L->gating_checked;
+            rmin = std::min(rmin, L->gating_ratio_min);
+            rmax = std::max(rmax, L->gating_ratio_max);
+        }
+        fprintf(f, "  \"gating_check\": {\"checked\": %llu, \"ratio_min\": %.9g, \"ratio_max\": %.9g},\n",
+            (unsigned long long) checked, checked ? rmin : 0.0, checked ? rmax : 0.0);
+    }
     fprintf(f, "  \"total\": {\n");
     // tokens decided: those that reached the first MoE layer (graphs may skip unused tokens in the last layer)
     uint64_t n_tokens = 0;
