@@ -1,4 +1,5 @@
-"""The expert cache on the layouts people download (issue 12): mixtral, gpt-oss and deepseek2, at f16 and q8_0.
+"""The expert cache on the layouts people download (issue 12): mixtral, gpt-oss, deepseek2 and qwen3next (the
+study's: hybrid linear attention, a gated shared expert), at f16 and q8_0.
 
 Per layout and type, on small generated models with the built binaries:
 - stock llama.cpp of the pin loads and runs the model (the stock runs below);
@@ -28,7 +29,7 @@ from test_engine import N_CHUNKS, N_CTX, N_LAYER, check_consistent, check_ok, ru
 from harness.core.project import Build
 from harness.tools.synth import ARCHS, DEEPSEEK2_WEIGHTS_SCALE, SynthSpec, synth_text, write_synth_model
 
-LAYOUTS = ("mixtral", "gpt-oss", "deepseek2")
+LAYOUTS = ("mixtral", "gpt-oss", "deepseek2", "qwen3next")
 TYPES = ("f16", "q8_0")
 N_EXPERT = 64
 K = 8

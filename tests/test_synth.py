@@ -58,14 +58,14 @@ def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
                      n_head=4, n_head_kv=1, n_vocab=300, dtype=dtype, seed=1)
     path = write_synth_model(spec, tmp_path / "m.gguf")
     info = read_model_info(path)
-    shared = 1 if arch in ("qwen2moe", "hy_v3", "deepseek2") else 0
+    shared = 1 if arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next") else 0
     assert info.arch == {"mixtral": "llama"}.get(arch, arch)
     assert info.n_layers == 3 and info.moe_layers == (0, 1, 2)
     assert info.n_expert == 8 and info.n_expert_used == 3
     assert info.n_expert_shared == shared
     assert info.merged_gate_up == (arch == "hy_v3")
     assert info.gating == {"hy_v3": "sigmoid", "deepseek2": "sigmoid", "gpt-oss": "softmax_weight"}.get(arch, "softmax")
-    assert info.weights_norm is {"qwen2moe": False, "gpt-oss": None}.get(arch, True)
+    assert info.weights_norm is {"qwen2moe": False, "gpt-oss": None, "qwen3next": None}.get(arch, True)
     assert info.file_type == dtype.upper()
     # one expert: gate + up (n_ff x n_embd each) and down (n_embd x n_ff), in the spec's dtype; gpt-oss adds
     # F32 biases (n_ff, n_ff, n_embd)
@@ -99,8 +99,10 @@ def test_tensor_shapes_and_types(synth_models: dict[str, Path]) -> None:
         else:
             assert list(t["blk.1.ffn_gate_exps.weight"].shape) == [64, 32, 16]
         assert list(t["blk.1.ffn_down_exps.weight"].shape) == [32, 64, 16]
-        assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch == "qwen2moe")
-        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch in ("qwen2moe", "hy_v3", "deepseek2"))
+        assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch in ("qwen2moe", "qwen3next"))
+        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next"))
+        assert ("blk.0.ssm_conv1d.weight" in t) == (arch == "qwen3next")  # layer 0 linear attention, 1 full
+        assert ("blk.1.attn_q_norm.weight" in t) == (arch in ("qwen3moe", "hy_v3", "qwen3next"))
         assert ("blk.0.ffn_up_exps.bias" in t) == (arch == "gpt-oss")
         assert ("blk.0.attn_sinks.weight" in t) == (arch == "gpt-oss")
         assert ("blk.0.attn_kv_a_mqa.weight" in t) == (arch == "deepseek2")

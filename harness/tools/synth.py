@@ -19,6 +19,10 @@
   a sigmoid router with an expert-selection bias (``exp_probs_b.bias``), normalised weights scaled by
   ``expert_weights_scale`` (2.5), grouped top-k (4 groups, the best 2 used, when n_expert allows it) and one
   ungated shared expert of the routed experts' size.
+- ``qwen3next`` (the study's architecture, Qwen3-Next): hybrid attention, every other layer a linear-attention
+  (gated delta net) layer (``attn_qkv``, ``attn_gate``, ``ssm_*``) and the others gated full attention (a
+  query projection of twice the size, q/k RMS norm); softmax router, normalised top-k, and a shared expert
+  whose output is scaled by its own sigmoid gate (``ffn_gate_inp_shexp``).
 
 `write_dense_model(path, seed)` writes a tiny dense ``qwen3`` model, for the "not an MoE model" paths.
 
@@ -54,7 +58,7 @@ import numpy.typing as npt
 
 from harness.core.errors import HarnessError
 
-ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3", "mixtral", "gpt-oss", "deepseek2")
+ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3", "mixtral", "gpt-oss", "deepseek2", "qwen3next")
 # The GGUF architecture each writes, where it differs from the name.
 GGUF_ARCH: dict[str, str] = {"mixtral": "llama"}
 DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_k")
@@ -71,10 +75,12 @@ CHAT_TEMPLATE = (
 )
 
 # Archs with one shared expert, and whether its output goes through a sigmoid gate.
-_SHARED_EXPERT = {"qwen2moe": True, "hy_v3": False, "deepseek2": False}
+_SHARED_EXPERT = {"qwen2moe": True, "hy_v3": False, "deepseek2": False, "qwen3next": True}
 _MERGED_GATE_UP = frozenset({"hy_v3"})
 _ROUTER_LOGIT_STD = 2.0
 GPT_OSS_SLIDING_WINDOW = 16
+QWEN3NEXT_FULL_ATTENTION_INTERVAL = 2  # layers 1, 3, ... full attention; 0, 2, ... linear attention
+QWEN3NEXT_CONV_KERNEL = 4
 DEEPSEEK2_WEIGHTS_SCALE = 2.5
 
 
@@ -405,8 +411,31 @@ def _deepseek2_dims(spec: SynthSpec) -> dict[str, int]:
     return {"q_lora": spec.n_embd // 2, "kv_lora": spec.n_embd // 2, "rope": hd, "nope": 2 * hd, "v": 2 * hd}
 
 
-def _plan_attention(spec: SynthSpec, b: str) -> list[_Tensor]:
+def _qwen3next_dims(spec: SynthSpec) -> dict[str, int]:
+    """Gated delta net sizes: head size = the attention head size, n_head_kv key heads, n_head value heads."""
+    hd = spec.head_dim
+    return {"state": hd, "k_heads": spec.n_head_kv, "v_heads": spec.n_head, "key": hd * spec.n_head_kv,
+            "value": hd * spec.n_head}
+
+
+def _plan_attention(spec: SynthSpec, b: str, il: int) -> list[_Tensor]:
     e, hd, q_dim, kv_dim = spec.n_embd, spec.head_dim, spec.n_embd, spec.head_dim * spec.n_head_kv
+    if spec.arch == "qwen3next":
+        plan = [_vector(b + "attn_norm.weight", e, fill=1.0), _vector(b + "post_attention_norm.weight", e, fill=1.0)]
+        if (il + 1) % QWEN3NEXT_FULL_ATTENTION_INTERVAL == 0:  # gated full attention: query and gate
+            return plan + [_matrix(b + "attn_q.weight", 2 * q_dim, e), _matrix(b + "attn_k.weight", kv_dim, e),
+                           _matrix(b + "attn_v.weight", kv_dim, e), _matrix(b + "attn_output.weight", e, q_dim),
+                           _vector(b + "attn_q_norm.weight", hd, fill=1.0),
+                           _vector(b + "attn_k_norm.weight", hd, fill=1.0)]
+        d = _qwen3next_dims(spec)
+        conv_dim = 2 * d["key"] + d["value"]
+        return plan + [_matrix(b + "attn_qkv.weight", conv_dim, e), _matrix(b + "attn_gate.weight", d["value"], e),
+                       _matrix(b + "ssm_conv1d.weight", conv_dim, QWEN3NEXT_CONV_KERNEL, quantize=False),
+                       _vector(b + "ssm_dt.bias", d["v_heads"], std=0.1),
+                       _Tensor(b + "ssm_a", (d["v_heads"],), 0.1, False, -0.5),  # A = -exp(A_log): negative
+                       _matrix(b + "ssm_ba.weight", 2 * d["v_heads"], e),
+                       _vector(b + "ssm_norm.weight", d["state"], fill=1.0),
+                       _matrix(b + "ssm_out.weight", e, d["value"])]
     if spec.arch == "deepseek2":
         d = _deepseek2_dims(spec)
         block = _dtype(spec.dtype).block
@@ -444,8 +473,8 @@ def _plan_moe(spec: SynthSpec) -> list[_Tensor]:
             _matrix("output.weight", spec.n_vocab, e)]
     for i in range(spec.n_layer):
         b = f"blk.{i}."
-        plan += _plan_attention(spec, b)
-        if spec.arch != "gpt-oss":  # gpt-oss normalises the FFN input with post_attention_norm
+        plan += _plan_attention(spec, b, i)
+        if spec.arch not in ("gpt-oss", "qwen3next"):  # these normalise the FFN input with post_attention_norm
             plan.append(_vector(b + "ffn_norm.weight", e, fill=1.0))
         plan.append(_matrix(b + "ffn_gate_inp.weight", n_exp, e, quantize=False, scale=_ROUTER_LOGIT_STD))
         if spec.arch == "gpt-oss":
@@ -661,6 +690,14 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
             w.add_expert_weights_norm(True)
         elif spec.arch == "gpt-oss":  # its graph gates with softmax after top-k whatever the metadata says
             w.add_sliding_window(GPT_OSS_SLIDING_WINDOW)
+        elif spec.arch == "qwen3next":  # its graph normalises the top-k weights whatever the metadata says
+            d = _qwen3next_dims(spec)
+            w.add_ssm_conv_kernel(QWEN3NEXT_CONV_KERNEL)
+            w.add_ssm_state_size(d["state"])
+            w.add_ssm_group_count(d["k_heads"])
+            w.add_ssm_time_step_rank(d["v_heads"])
+            w.add_ssm_inner_size(d["value"])
+            w.add_full_attention_interval(QWEN3NEXT_FULL_ATTENTION_INTERVAL)
 
     name = (f"synth-{spec.arch}-L{spec.n_layer}-E{spec.n_expert}k{spec.n_expert_used}-d{spec.n_embd}"
             f"-{spec.dtype}-s{spec.seed}")
