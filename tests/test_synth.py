@@ -65,7 +65,9 @@ def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
     assert info.n_expert_shared == shared
     assert info.merged_gate_up == (arch == "hy_v3")
     assert info.gating == {"hy_v3": "sigmoid", "deepseek2": "sigmoid", "gpt-oss": "softmax_weight"}.get(arch, "softmax")
-    assert info.weights_norm is {"qwen2moe": False, "gpt-oss": None, "qwen3next": None}.get(arch, True)
+    # None: not in the file (the graph fixes it)
+    assert info.weights_norm is {"qwen2moe": False, "gpt-oss": None, "qwen3next": None, "grovemoe": None}.get(arch,
+                                                                                                              True)
     assert info.file_type == dtype.upper()
     # one expert: gate + up (n_ff x n_embd each) and down (n_embd x n_ff), in the spec's dtype; gpt-oss adds
     # F32 biases (n_ff, n_ff, n_embd)
@@ -102,7 +104,8 @@ def test_tensor_shapes_and_types(synth_models: dict[str, Path]) -> None:
         assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch in ("qwen2moe", "qwen3next"))
         assert ("blk.0.ffn_up_shexp.weight" in t) == (arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next"))
         assert ("blk.0.ssm_conv1d.weight" in t) == (arch == "qwen3next")  # layer 0 linear attention, 1 full
-        assert ("blk.1.attn_q_norm.weight" in t) == (arch in ("qwen3moe", "hy_v3", "qwen3next"))
+        assert ("blk.1.attn_q_norm.weight" in t) == (arch in ("qwen3moe", "hy_v3", "qwen3next", "grovemoe"))
+        assert ("blk.1.ffn_up_chexps.weight" in t) == (arch == "grovemoe")
         assert ("blk.0.ffn_up_exps.bias" in t) == (arch == "gpt-oss")
         assert ("blk.0.attn_sinks.weight" in t) == (arch == "gpt-oss")
         assert ("blk.0.attn_kv_a_mqa.weight" in t) == (arch == "deepseek2")

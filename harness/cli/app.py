@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "expert), hy_v3 (merged gate_up experts, sigmoid router), mixtral (llama with experts), gpt-oss "
                    "(per-expert biases, softmax after top-k, attention sinks), deepseek2 (MLA, shared expert, "
                    "sigmoid router with selection bias, grouped top-k), qwen3next (hybrid linear attention, "
-                   "gated shared expert)")
+                   "gated shared expert), grovemoe (refused by the cache: two expert sets per layer)")
     s.add_argument("--layers", type=int, default=2)
     s.add_argument("--experts", type=int, default=16)
     s.add_argument("--top-k", type=int, default=4)

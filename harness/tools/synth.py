@@ -23,6 +23,9 @@
   (gated delta net) layer (``attn_qkv``, ``attn_gate``, ``ssm_*``) and the others gated full attention (a
   query projection of twice the size, q/k RMS norm); softmax router, normalised top-k, and a shared expert
   whose output is scaled by its own sigmoid gate (``ffn_gate_inp_shexp``).
+- ``grovemoe``: qwen3moe-like, plus a second, smaller set of "chunk" experts per layer (``ffn_*_chexps``, one
+  per pair of experts) that ``build_moe_ffn`` routes separately with the same router. The expert cache refuses
+  it (two expert sets per layer); it is here for that refusal's test.
 
 `write_dense_model(path, seed)` writes a tiny dense ``qwen3`` model, for the "not an MoE model" paths.
 
@@ -58,7 +61,10 @@ import numpy.typing as npt
 
 from harness.core.errors import HarnessError
 
-ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3", "mixtral", "gpt-oss", "deepseek2", "qwen3next")
+ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3", "mixtral", "gpt-oss", "deepseek2", "qwen3next",
+                          "grovemoe")
+# Archs the expert cache refuses (with a one-line error naming the arch); the others it serves.
+CACHE_REFUSED: tuple[str, ...] = ("grovemoe",)
 # The GGUF architecture each writes, where it differs from the name.
 GGUF_ARCH: dict[str, str] = {"mixtral": "llama"}
 DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_k")
@@ -81,6 +87,7 @@ _ROUTER_LOGIT_STD = 2.0
 GPT_OSS_SLIDING_WINDOW = 16
 QWEN3NEXT_FULL_ATTENTION_INTERVAL = 2  # layers 1, 3, ... full attention; 0, 2, ... linear attention
 QWEN3NEXT_CONV_KERNEL = 4
+GROVEMOE_EXPERTS_PER_GROUP = 2
 DEEPSEEK2_WEIGHTS_SCALE = 2.5
 
 
@@ -216,6 +223,8 @@ def check_spec(spec: SynthSpec) -> None:
         raise bad(f"n_head={spec.n_head} must be a multiple of n_head_kv={spec.n_head_kv}")
     if spec.n_embd % spec.n_head or spec.head_dim % 2:
         raise bad(f"n_embd={spec.n_embd} must be n_head={spec.n_head} times an even head size")
+    if spec.arch == "grovemoe" and spec.n_expert % GROVEMOE_EXPERTS_PER_GROUP:
+        raise bad(f"grovemoe groups experts in pairs: n_expert={spec.n_expert} must be even")
     if spec.n_ff_exp < 1:
         raise bad(f"n_ff_exp must be >= 1, got {spec.n_ff_exp}")
     if spec.has_shared_expert and spec.shared_ff < 1:
@@ -462,7 +471,7 @@ def _plan_attention(spec: SynthSpec, b: str, il: int) -> list[_Tensor]:
     if spec.arch == "gpt-oss":
         plan += [_vector(b + "attn_output.bias", e, std=0.02), _vector(b + "attn_sinks.weight", spec.n_head, std=0.5),
                  _vector(b + "post_attention_norm.weight", e, fill=1.0)]
-    elif spec.arch in ("qwen3moe", "hy_v3"):
+    elif spec.arch in ("qwen3moe", "hy_v3", "grovemoe"):
         plan += [_vector(b + "attn_q_norm.weight", hd, fill=1.0), _vector(b + "attn_k_norm.weight", hd, fill=1.0)]
     return plan
 
@@ -487,6 +496,11 @@ def _plan_moe(spec: SynthSpec) -> list[_Tensor]:
         else:
             plan += [_matrix(b + "ffn_gate_exps.weight", n_exp, f, e), _matrix(b + "ffn_up_exps.weight", n_exp, f, e)]
         plan.append(_matrix(b + "ffn_down_exps.weight", n_exp, e, f))
+        if spec.arch == "grovemoe":
+            n_chunk = n_exp // GROVEMOE_EXPERTS_PER_GROUP
+            plan += [_matrix(b + "ffn_gate_chexps.weight", n_chunk, f, e),
+                     _matrix(b + "ffn_up_chexps.weight", n_chunk, f, e),
+                     _matrix(b + "ffn_down_chexps.weight", n_chunk, e, f)]
         if spec.arch == "gpt-oss":
             plan += [_biases(b + "ffn_gate_exps.bias", n_exp, f), _biases(b + "ffn_up_exps.bias", n_exp, f),
                      _biases(b + "ffn_down_exps.bias", n_exp, e)]
@@ -683,6 +697,10 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
             w.add_expert_shared_count(1)
         if spec.arch in ("qwen3moe", "mixtral"):
             w.add_expert_weights_norm(True)
+        elif spec.arch == "grovemoe":
+            w.add_expert_chunk_feed_forward_length(spec.n_ff_exp)
+            w.add_experts_per_group(GROVEMOE_EXPERTS_PER_GROUP)
+            w.add_expert_group_scale(1.0)
         elif spec.arch == "qwen2moe":
             w.add_expert_weights_norm(False)
         elif spec.arch in ("hy_v3", "deepseek2"):

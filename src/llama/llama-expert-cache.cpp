@@ -84,8 +84,11 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
             " needs a Mixture-of-Experts model, and this model (" + llm_arch_name(model.arch) + ") has no routed experts");
     }
     if (model.arch == LLM_ARCH_GROVEMOE) {
-        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer; the expert cache does not support it");
+        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
+            "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
+
+    arch = llm_arch_name(model.arch);
 
     n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
     if (cfg.vram > 0 || cfg.ram > 0) {
@@ -629,17 +632,22 @@ ggml_tensor * llama_expert_cache::build_route(
         return ids; // warmup (k = n_expert): stock routing, no statistics
     }
     if (il < 0 || il >= n_layer || !layers[il]->moe) {
-        throw std::runtime_error(format("expert cache: build_moe_ffn called for layer %d, which has no routed experts", il));
+        throw std::runtime_error(format("expert cache: %s routes experts in layer %d, where the cache found no routed expert "
+            "tensors (an MTP or extra expert set): the expert cache cannot serve this graph; run it without the cache "
+            "(unset LLAMA_MOE_CACHE, or mode=off)", arch.c_str(), il));
     }
     if (ids->type != GGML_TYPE_I32 || ids->nb[0] != sizeof(int32_t) || ids->ne[2] != 1 || ids->ne[3] != 1) {
-        throw std::runtime_error("expert cache: unexpected layout of the selected experts tensor");
+        throw std::runtime_error("expert cache: " + arch + " selects experts in a layout the route step does not read "
+            "(not I32 [k, n_tokens]): run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
     if (logits == nullptr || logits->type != GGML_TYPE_F32 || logits->nb[0] != sizeof(float) || logits->ne[0] != n_expert ||
             logits->ne[1] != ids->ne[1]) {
-        throw std::runtime_error("expert cache: the router logits are not an F32 [n_expert, n_tokens] tensor");
+        throw std::runtime_error("expert cache: " + arch + "'s router logits are not an F32 [n_expert, n_tokens] tensor, "
+            "which the route step reads: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
     if (exp_probs_b && (exp_probs_b->type != GGML_TYPE_F32 || ggml_nelements(exp_probs_b) != n_expert || !ggml_is_contiguous(exp_probs_b))) {
-        throw std::runtime_error("expert cache: unsupported expert selection bias tensor");
+        throw std::runtime_error("expert cache: " + arch + "'s expert selection bias is not an F32 vector of n_expert "
+            "values, which the route step reads: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
     switch (gating) {
         case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
@@ -648,7 +656,8 @@ ggml_tensor * llama_expert_cache::build_route(
         case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
             break;
         default:
-            throw std::runtime_error(format("expert cache: unsupported gating function %d", (int) gating));
+            throw std::runtime_error(format("expert cache: %s gates its experts with function %d, which the route step "
+                "does not recompute: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)", arch.c_str(), (int) gating));
     }
 
     auto & L = *layers[il];

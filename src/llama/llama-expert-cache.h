@@ -151,6 +151,7 @@ struct llama_expert_cache {
     int32_t n_slots  = 0;
     int32_t group_max = 1; // largest ubatch decided as a group (group key; group_max*n_used <= n_slots)
     bool    dry_run   = false; // a memory-fitting dry run (-fit's probe): no statistics, profile or trace written
+    std::string arch; // the model's architecture, for error messages
     bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
