@@ -9,6 +9,8 @@ Per layout and type, on small generated models with the built binaries:
 - the quality preset never substitutes a first choice or an expert of gate weight >= tau;
 - gpt-oss: the per-expert biases (``ffn_*_exps.bias``) have cache banks, counted in the bank bytes, and are
   copied with every expert;
+- deepseek2 with a leading dense layer (DeepSeek's first_k_dense_replace): the cache has no state and no banks
+  for the dense layer, fetch-all is stock, engine decides as emulate;
 - a layout the cache cannot serve (grovemoe: two expert sets per layer) is a one-line error naming the arch and
   what to do, in emulate and engine mode; stock runs it;
 - gating (every served layout, the original three too): the gate weights the route step recomputes on the host from
@@ -176,3 +178,26 @@ def test_unserved_layout_is_a_one_line_error(mode: str, layout_text: Path, tmp_p
     assert lines, r.output[-3000:]
     assert "cannot serve" in lines[0] and "unset LLAMA_MOE_CACHE" in lines[0]
     assert "Traceback" not in r.output and "GGML_ASSERT" not in r.output and r.returncode > 0  # no crash
+
+
+@pytest.mark.build
+def test_leading_dense_layer(layout_text: Path, tmp_path: Path, stock_build: Build, layout_build: Build) -> None:
+    model = write_synth_model(SynthSpec(arch="deepseek2", n_expert=N_EXPERT, n_expert_used=K, n_layer=3,
+                                        n_dense_lead=1, dtype="q8_0", seed=5), tmp_path / "deepseek2-dense1.gguf")
+    stock = run_ppl(stock_build, model, layout_text, tmp_path / "stock", ubatch=1, nll=False)
+    fetch = run_ppl(layout_build, model, layout_text, tmp_path / "fetch", f"mode=engine,policy=fetch-all,slots={SLOTS}",
+                    ubatch=1, nll=False)
+    spec = f"policy=quality,slots={SLOTS}"
+    emu = run_ppl(layout_build, model, layout_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=1)
+    eng = run_ppl(layout_build, model, layout_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=1)
+    for r in (stock, fetch, emu, eng):
+        check_ok(r)
+    assert fetch.logits == stock.logits
+    assert emu.stats is not None and eng.stats is not None and fetch.stats is not None
+    same_decisions(emu.stats, eng.stats)
+    assert [layer["layer"] for layer in eng.stats["layers"]] == [1, 2]  # no state for the dense layer 0
+    weights, _ = _expert_bytes("deepseek2", "q8_0")
+    assert eng.stats["engine"]["bank_bytes"] == 2 * (SLOTS + 1) * weights  # banks for the two MoE layers only
+    assert eng.stats["total"]["substitutions"] > 0 and eng.stats["total"]["subst_first_choice"] == 0
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)

@@ -156,6 +156,8 @@ def test_synth_text_is_deterministic() -> None:
     ({"n_vocab": 100}, f"n_vocab must be >= {MIN_VOCAB}"),
     ({"dtype": "q8_0", "n_ff_exp": 48}, "n_ff_exp=48 is not a multiple of 32"),
     ({"seed": -1}, "seed must be >= 0"),
+    ({"n_dense_lead": 1}, "n_dense_lead is a deepseek2 setting"),
+    ({"arch": "deepseek2", "n_dense_lead": 2}, "n_dense_lead must be between 0 and n_layer-1=1"),
 ])
 def test_bad_specs(tmp_path: Path, change: dict[str, object], message: str) -> None:
     spec = SynthSpec(**change)  # type: ignore[arg-type]

@@ -108,6 +108,7 @@ class SynthSpec:
     n_vocab: int = 512
     dtype: str = "f32"
     seed: int = 0
+    n_dense_lead: int = 0  # deepseek2: leading layers with a dense FFN instead of experts (DeepSeek's first_k_dense)
 
     @property
     def head_dim(self) -> int:
@@ -225,6 +226,10 @@ def check_spec(spec: SynthSpec) -> None:
         raise bad(f"n_embd={spec.n_embd} must be n_head={spec.n_head} times an even head size")
     if spec.arch == "grovemoe" and spec.n_expert % GROVEMOE_EXPERTS_PER_GROUP:
         raise bad(f"grovemoe groups experts in pairs: n_expert={spec.n_expert} must be even")
+    if spec.n_dense_lead and spec.arch != "deepseek2":
+        raise bad(f"n_dense_lead is a deepseek2 setting, not {spec.arch}'s")
+    if not 0 <= spec.n_dense_lead < spec.n_layer:
+        raise bad(f"n_dense_lead must be between 0 and n_layer-1={spec.n_layer - 1}, got {spec.n_dense_lead}")
     if spec.n_ff_exp < 1:
         raise bad(f"n_ff_exp must be >= 1, got {spec.n_ff_exp}")
     if spec.has_shared_expert and spec.shared_ff < 1:
@@ -485,6 +490,11 @@ def _plan_moe(spec: SynthSpec) -> list[_Tensor]:
         plan += _plan_attention(spec, b, i)
         if spec.arch not in ("gpt-oss", "qwen3next"):  # these normalise the FFN input with post_attention_norm
             plan.append(_vector(b + "ffn_norm.weight", e, fill=1.0))
+        if i < spec.n_dense_lead:  # deepseek2's leading dense layers: feed_forward_length = n_ff_exp * k
+            n_ff = f * spec.n_expert_used
+            plan += [_matrix(b + "ffn_gate.weight", n_ff, e), _matrix(b + "ffn_up.weight", n_ff, e),
+                     _matrix(b + "ffn_down.weight", e, n_ff)]
+            continue
         plan.append(_matrix(b + "ffn_gate_inp.weight", n_exp, e, quantize=False, scale=_ROUTER_LOGIT_STD))
         if spec.arch == "gpt-oss":
             plan.append(_vector(b + "ffn_gate_inp.bias", n_exp, std=0.1))
@@ -679,7 +689,7 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
             w.add_q_lora_rank(d["q_lora"])
             w.add_kv_lora_rank(d["kv_lora"])
             w.add_vocab_size(spec.n_vocab)
-            w.add_leading_dense_block_count(0)
+            w.add_leading_dense_block_count(spec.n_dense_lead)
             w.add_expert_weights_scale(DEEPSEEK2_WEIGHTS_SCALE)
             groups, used = spec.expert_groups
             if groups > 1:
