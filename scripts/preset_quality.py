@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.core.project import get_build  # noqa: E402
 from harness.parsers.nll_dump import read_nll_dump_file  # noqa: E402
-from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_synth_model  # noqa: E402
+from harness.tools.synth import ARCHS, CACHE_REFUSED, SynthSpec, synth_text, write_synth_model  # noqa: E402
 
 POLICIES = ("policy=fetch-all", "policy=quality", "policy=speed", "rule=threshold,admit=off",
             "rule=first-choice,admit=off", "rule=substitute-all,admit=off", "rule=drop")
@@ -36,7 +36,7 @@ POLICIES = ("policy=fetch-all", "policy=quality", "policy=speed", "rule=threshol
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", action="append", choices=ARCHS)
+    ap.add_argument("--arch", action="append", choices=[a for a in ARCHS if a not in CACHE_REFUSED])
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--threads", default="1")

@@ -58,24 +58,29 @@ def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
                      n_head=4, n_head_kv=1, n_vocab=300, dtype=dtype, seed=1)
     path = write_synth_model(spec, tmp_path / "m.gguf")
     info = read_model_info(path)
-    shared = 1 if arch in ("qwen2moe", "hy_v3") else 0
-    assert info.arch == arch
+    shared = 1 if arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next") else 0
+    assert info.arch == {"mixtral": "llama"}.get(arch, arch)
     assert info.n_layers == 3 and info.moe_layers == (0, 1, 2)
     assert info.n_expert == 8 and info.n_expert_used == 3
     assert info.n_expert_shared == shared
     assert info.merged_gate_up == (arch == "hy_v3")
-    assert info.gating == ("sigmoid" if arch == "hy_v3" else "softmax")
-    assert info.weights_norm is (arch != "qwen2moe")
+    assert info.gating == {"hy_v3": "sigmoid", "deepseek2": "sigmoid", "gpt-oss": "softmax_weight"}.get(arch, "softmax")
+    # None: not in the file (the graph fixes it)
+    assert info.weights_norm is {"qwen2moe": False, "gpt-oss": None, "qwen3next": None, "grovemoe": None}.get(arch,
+                                                                                                              True)
     assert info.file_type == dtype.upper()
-    # one expert: gate + up (n_ff x n_embd each) and down (n_embd x n_ff), in the spec's dtype
+    # one expert: gate + up (n_ff x n_embd each) and down (n_embd x n_ff), in the spec's dtype; gpt-oss adds
+    # F32 biases (n_ff, n_ff, n_embd)
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     one_matrix = 64 * (64 // block) * type_size
-    assert info.bytes_per_expert == 3 * one_matrix == expected_bytes_per_expert(spec)
+    biases = {"gate.bias": 4 * 64, "up.bias": 4 * 64, "down.bias": 4 * 64} if arch == "gpt-oss" else {}
+    assert info.bytes_per_expert == 3 * one_matrix + sum(biases.values())
+    assert expected_bytes_per_expert(spec) == 3 * one_matrix
     kinds = {"gate_up.weight": 2 * one_matrix} if arch == "hy_v3" else {"gate.weight": one_matrix,
                                                                         "up.weight": one_matrix}
-    assert info.bytes_per_expert_tensor == {**kinds, "down.weight": one_matrix}
-    assert info.expert_bytes == 3 * 8 * 3 * one_matrix
+    assert info.bytes_per_expert_tensor == {**kinds, "down.weight": one_matrix, **biases}
+    assert info.expert_bytes == 3 * 8 * (3 * one_matrix + sum(biases.values()))
 
 
 def test_dense_model_is_not_moe(dense_model: Path) -> None:
@@ -96,8 +101,14 @@ def test_tensor_shapes_and_types(synth_models: dict[str, Path]) -> None:
         else:
             assert list(t["blk.1.ffn_gate_exps.weight"].shape) == [64, 32, 16]
         assert list(t["blk.1.ffn_down_exps.weight"].shape) == [32, 64, 16]
-        assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch == "qwen2moe")
-        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch != "qwen3moe")
+        assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch in ("qwen2moe", "qwen3next"))
+        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next"))
+        assert ("blk.0.ssm_conv1d.weight" in t) == (arch == "qwen3next")  # layer 0 linear attention, 1 full
+        assert ("blk.1.attn_q_norm.weight" in t) == (arch in ("qwen3moe", "hy_v3", "qwen3next", "grovemoe"))
+        assert ("blk.1.ffn_up_chexps.weight" in t) == (arch == "grovemoe")
+        assert ("blk.0.ffn_up_exps.bias" in t) == (arch == "gpt-oss")
+        assert ("blk.0.attn_sinks.weight" in t) == (arch == "gpt-oss")
+        assert ("blk.0.attn_kv_a_mqa.weight" in t) == (arch == "deepseek2")
 
 
 def test_router_is_not_degenerate(synth_models: dict[str, Path]) -> None:
@@ -135,7 +146,7 @@ def test_synth_text_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"arch": "mixtral"}, "unknown arch"),
+    ({"arch": "mixtral8x7b"}, "unknown arch"),
     ({"dtype": "bf16"}, "unknown dtype"),
     ({"dtype": "q4_k"}, "cannot be written: the gguf package .* has no quantizer for Q4_K"),
     ({"n_expert_used": 17}, "n_expert_used must be between 1 and n_expert=16"),
@@ -145,6 +156,8 @@ def test_synth_text_is_deterministic() -> None:
     ({"n_vocab": 100}, f"n_vocab must be >= {MIN_VOCAB}"),
     ({"dtype": "q8_0", "n_ff_exp": 48}, "n_ff_exp=48 is not a multiple of 32"),
     ({"seed": -1}, "seed must be >= 0"),
+    ({"n_dense_lead": 1}, "n_dense_lead is a deepseek2 setting"),
+    ({"arch": "deepseek2", "n_dense_lead": 2}, "n_dense_lead must be between 0 and n_layer-1=1"),
 ])
 def test_bad_specs(tmp_path: Path, change: dict[str, object], message: str) -> None:
     spec = SynthSpec(**change)  # type: ignore[arg-type]

@@ -359,7 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a small random-weight MoE GGUF (deterministic by seed)")
     s.add_argument("-o", "--output", type=Path, required=True, help="where to write the .gguf")
     s.add_argument("--arch", default="qwen3moe", help="qwen3moe (softmax, normalised top-k), qwen2moe (shared "
-                   "expert), hy_v3 (merged gate_up experts, sigmoid router)")
+                   "expert), hy_v3 (merged gate_up experts, sigmoid router), mixtral (llama with experts), gpt-oss "
+                   "(per-expert biases, softmax after top-k, attention sinks), deepseek2 (MLA, shared expert, "
+                   "sigmoid router with selection bias, grouped top-k), qwen3next (hybrid linear attention, "
+                   "gated shared expert), grovemoe (refused by the cache: two expert sets per layer)")
     s.add_argument("--layers", type=int, default=2)
     s.add_argument("--experts", type=int, default=16)
     s.add_argument("--top-k", type=int, default=4)

@@ -18,6 +18,8 @@ from harness.core.errors import HarnessError, NotMoEError
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
 _SHEXP_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
 _GATE_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+# Architectures whose llama.cpp graph fixes the gating without the expert_gating_func key.
+_GATING_BY_ARCH = {"gpt-oss": "softmax_weight"}
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,8 @@ def read_model_info(path: str | Path) -> ModelInfo:
         n_expert=n_expert,
         n_expert_used=n_used,
         n_expert_shared=int(n_shared),
-        gating=_GATE_FUNCS.get(int(gating_id), f"unknown({gating_id})") if gating_id is not None else "softmax",
+        gating=(_GATE_FUNCS.get(int(gating_id), f"unknown({gating_id})") if gating_id is not None
+                else _GATING_BY_ARCH.get(arch, "softmax")),
         weights_norm=bool(norm) if norm is not None else None,
         merged_gate_up=any(t.kind == "gate_up" for t in experts),
         expert_tensors=tuple(experts),

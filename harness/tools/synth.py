@@ -9,6 +9,23 @@
   first, then up rows), a sigmoid router with an expert-selection bias (``exp_probs_b``), normalised
   weights, q/k RMS norm and one ungated shared expert. It is the simplest plain-attention architecture
   whose llama.cpp loader accepts the merged tensor (qwen3moe/qwen2moe load only separate gate/up).
+- ``mixtral``: the Mixtral layout, GGUF architecture ``llama`` with experts: softmax router, top-k,
+  normalised weights, no shared expert, no q/k norm; its loader takes the expert FFN size from
+  ``llama.feed_forward_length``.
+- ``gpt-oss`` (GGUF ``gpt-oss``, llama.cpp's openai-moe): per-expert biases (``ffn_{gate,up,down}_exps.bias``)
+  and a router bias, gating after top-k (softmax over the k selected logits), attention sinks, q/k/v and
+  output biases, sliding-window attention on every other layer, the swiglu-oai expert activation.
+- ``deepseek2``: multi-head latent attention (q and kv low-rank projections, split ``attn_k_b``/``attn_v_b``),
+  a sigmoid router with an expert-selection bias (``exp_probs_b.bias``), normalised weights scaled by
+  ``expert_weights_scale`` (2.5), grouped top-k (4 groups, the best 2 used, when n_expert allows it) and one
+  ungated shared expert of the routed experts' size.
+- ``qwen3next`` (the study's architecture, Qwen3-Next): hybrid attention, every other layer a linear-attention
+  (gated delta net) layer (``attn_qkv``, ``attn_gate``, ``ssm_*``) and the others gated full attention (a
+  query projection of twice the size, q/k RMS norm); softmax router, normalised top-k, and a shared expert
+  whose output is scaled by its own sigmoid gate (``ffn_gate_inp_shexp``).
+- ``grovemoe``: qwen3moe-like, plus a second, smaller set of "chunk" experts per layer (``ffn_*_chexps``, one
+  per pair of experts) that ``build_moe_ffn`` routes separately with the same router. The expert cache refuses
+  it (two expert sets per layer); it is here for that refusal's test.
 
 `write_dense_model(path, seed)` writes a tiny dense ``qwen3`` model, for the "not an MoE model" paths.
 
@@ -44,7 +61,12 @@ import numpy.typing as npt
 
 from harness.core.errors import HarnessError
 
-ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3")
+ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3", "mixtral", "gpt-oss", "deepseek2", "qwen3next",
+                          "grovemoe")
+# Archs the expert cache refuses (with a one-line error naming the arch); the others it serves.
+CACHE_REFUSED: tuple[str, ...] = ("grovemoe",)
+# The GGUF architecture each writes, where it differs from the name.
+GGUF_ARCH: dict[str, str] = {"mixtral": "llama"}
 DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_k")
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
@@ -59,9 +81,14 @@ CHAT_TEMPLATE = (
 )
 
 # Archs with one shared expert, and whether its output goes through a sigmoid gate.
-_SHARED_EXPERT = {"qwen2moe": True, "hy_v3": False}
+_SHARED_EXPERT = {"qwen2moe": True, "hy_v3": False, "deepseek2": False, "qwen3next": True}
 _MERGED_GATE_UP = frozenset({"hy_v3"})
 _ROUTER_LOGIT_STD = 2.0
+GPT_OSS_SLIDING_WINDOW = 16
+QWEN3NEXT_FULL_ATTENTION_INTERVAL = 2  # layers 1, 3, ... full attention; 0, 2, ... linear attention
+QWEN3NEXT_CONV_KERNEL = 4
+GROVEMOE_EXPERTS_PER_GROUP = 2
+DEEPSEEK2_WEIGHTS_SCALE = 2.5
 
 
 @dataclass(frozen=True)
@@ -81,6 +108,7 @@ class SynthSpec:
     n_vocab: int = 512
     dtype: str = "f32"
     seed: int = 0
+    n_dense_lead: int = 0  # deepseek2: leading layers with a dense FFN instead of experts (DeepSeek's first_k_dense)
 
     @property
     def head_dim(self) -> int:
@@ -93,6 +121,24 @@ class SynthSpec:
     @property
     def merged_gate_up(self) -> bool:
         return self.arch in _MERGED_GATE_UP
+
+    @property
+    def gguf_arch(self) -> str:
+        return GGUF_ARCH.get(self.arch, self.arch)
+
+    @property
+    def shared_ff(self) -> int:
+        """The shared expert's FFN size (deepseek2's loader takes the routed experts' size times the count)."""
+        return self.n_ff_exp if self.arch == "deepseek2" else self.n_ff_shexp
+
+    @property
+    def expert_groups(self) -> tuple[int, int]:
+        """(groups, groups used) of grouped top-k: deepseek2 uses 4 groups, the best 2, when every group holds
+        at least 2 experts and the 2 groups hold k; (1, 1) otherwise (no grouping)."""
+        if self.arch == "deepseek2" and self.n_expert % 4 == 0 and self.n_expert >= 8 and \
+                self.n_expert_used <= self.n_expert // 2:
+            return 4, 2
+        return 1, 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,9 +224,15 @@ def check_spec(spec: SynthSpec) -> None:
         raise bad(f"n_head={spec.n_head} must be a multiple of n_head_kv={spec.n_head_kv}")
     if spec.n_embd % spec.n_head or spec.head_dim % 2:
         raise bad(f"n_embd={spec.n_embd} must be n_head={spec.n_head} times an even head size")
+    if spec.arch == "grovemoe" and spec.n_expert % GROVEMOE_EXPERTS_PER_GROUP:
+        raise bad(f"grovemoe groups experts in pairs: n_expert={spec.n_expert} must be even")
+    if spec.n_dense_lead and spec.arch != "deepseek2":
+        raise bad(f"n_dense_lead is a deepseek2 setting, not {spec.arch}'s")
+    if not 0 <= spec.n_dense_lead < spec.n_layer:
+        raise bad(f"n_dense_lead must be between 0 and n_layer-1={spec.n_layer - 1}, got {spec.n_dense_lead}")
     if spec.n_ff_exp < 1:
         raise bad(f"n_ff_exp must be >= 1, got {spec.n_ff_exp}")
-    if spec.has_shared_expert and spec.n_ff_shexp < 1:
+    if spec.has_shared_expert and spec.shared_ff < 1:
         raise bad(f"n_ff_shexp must be >= 1 for {spec.arch}, got {spec.n_ff_shexp}")
     if spec.n_ctx < 8:
         raise bad(f"n_ctx must be >= 8, got {spec.n_ctx}")
@@ -194,7 +246,7 @@ def check_spec(spec: SynthSpec) -> None:
                   f"or use one of {', '.join(d for d in DTYPES if _can_quantize(_dtype(d)))}")
     if dt.block > 1:
         rows = {"n_embd": spec.n_embd, "n_ff_exp": spec.n_ff_exp}
-        if spec.has_shared_expert:
+        if spec.has_shared_expert and spec.arch != "deepseek2":
             rows["n_ff_shexp"] = spec.n_ff_shexp
         for name, n in rows.items():
             if n % dt.block:
@@ -361,31 +413,109 @@ def _vector(name: str, n: int, *, fill: float = 0.0, std: float = 0.0) -> _Tenso
     return _Tensor(name, (n,), std, False, fill)
 
 
+def _biases(name: str, *shape: int, std: float = 0.02) -> _Tensor:
+    """An F32 bias tensor (a vector, or one vector per expert)."""
+    return _Tensor(name, tuple(shape), std, False)
+
+
+def _deepseek2_dims(spec: SynthSpec) -> dict[str, int]:
+    """Multi-head latent attention sizes, from the head size: q/kv ranks n_embd/2, rope part one head size,
+    the rest two."""
+    hd = spec.head_dim
+    return {"q_lora": spec.n_embd // 2, "kv_lora": spec.n_embd // 2, "rope": hd, "nope": 2 * hd, "v": 2 * hd}
+
+
+def _qwen3next_dims(spec: SynthSpec) -> dict[str, int]:
+    """Gated delta net sizes: head size = the attention head size, n_head_kv key heads, n_head value heads."""
+    hd = spec.head_dim
+    return {"state": hd, "k_heads": spec.n_head_kv, "v_heads": spec.n_head, "key": hd * spec.n_head_kv,
+            "value": hd * spec.n_head}
+
+
+def _plan_attention(spec: SynthSpec, b: str, il: int) -> list[_Tensor]:
+    e, hd, q_dim, kv_dim = spec.n_embd, spec.head_dim, spec.n_embd, spec.head_dim * spec.n_head_kv
+    if spec.arch == "qwen3next":
+        plan = [_vector(b + "attn_norm.weight", e, fill=1.0), _vector(b + "post_attention_norm.weight", e, fill=1.0)]
+        if (il + 1) % QWEN3NEXT_FULL_ATTENTION_INTERVAL == 0:  # gated full attention: query and gate
+            return plan + [_matrix(b + "attn_q.weight", 2 * q_dim, e), _matrix(b + "attn_k.weight", kv_dim, e),
+                           _matrix(b + "attn_v.weight", kv_dim, e), _matrix(b + "attn_output.weight", e, q_dim),
+                           _vector(b + "attn_q_norm.weight", hd, fill=1.0),
+                           _vector(b + "attn_k_norm.weight", hd, fill=1.0)]
+        d = _qwen3next_dims(spec)
+        conv_dim = 2 * d["key"] + d["value"]
+        return plan + [_matrix(b + "attn_qkv.weight", conv_dim, e), _matrix(b + "attn_gate.weight", d["value"], e),
+                       _matrix(b + "ssm_conv1d.weight", conv_dim, QWEN3NEXT_CONV_KERNEL, quantize=False),
+                       _vector(b + "ssm_dt.bias", d["v_heads"], std=0.1),
+                       _Tensor(b + "ssm_a", (d["v_heads"],), 0.1, False, -0.5),  # A = -exp(A_log): negative
+                       _matrix(b + "ssm_ba.weight", 2 * d["v_heads"], e),
+                       _vector(b + "ssm_norm.weight", d["state"], fill=1.0),
+                       _matrix(b + "ssm_out.weight", e, d["value"])]
+    if spec.arch == "deepseek2":
+        d = _deepseek2_dims(spec)
+        block = _dtype(spec.dtype).block
+        k_mla = d["nope"] + d["rope"]
+
+        def mla(name: str, *shape: int) -> _Tensor:  # low-rank pieces stay F32 where rows do not fill blocks
+            return _matrix(name, *shape, quantize=shape[-1] % block == 0)
+
+        return [_vector(b + "attn_norm.weight", e, fill=1.0),
+                _vector(b + "attn_q_a_norm.weight", d["q_lora"], fill=1.0),
+                _vector(b + "attn_kv_a_norm.weight", d["kv_lora"], fill=1.0),
+                mla(b + "attn_q_a.weight", d["q_lora"], e),
+                mla(b + "attn_q_b.weight", spec.n_head * k_mla, d["q_lora"]),
+                mla(b + "attn_kv_a_mqa.weight", d["kv_lora"] + d["rope"], e),
+                mla(b + "attn_k_b.weight", spec.n_head, d["kv_lora"], d["nope"]),
+                mla(b + "attn_v_b.weight", spec.n_head, d["v"], d["kv_lora"]),
+                mla(b + "attn_output.weight", e, spec.n_head * d["v"])]
+    plan = [_vector(b + "attn_norm.weight", e, fill=1.0),
+            _matrix(b + "attn_q.weight", q_dim, e), _matrix(b + "attn_k.weight", kv_dim, e),
+            _matrix(b + "attn_v.weight", kv_dim, e), _matrix(b + "attn_output.weight", e, q_dim)]
+    if spec.arch in ("qwen2moe", "gpt-oss"):
+        plan += [_vector(b + "attn_q.bias", q_dim, std=0.02), _vector(b + "attn_k.bias", kv_dim, std=0.02),
+                 _vector(b + "attn_v.bias", kv_dim, std=0.02)]
+    if spec.arch == "gpt-oss":
+        plan += [_vector(b + "attn_output.bias", e, std=0.02), _vector(b + "attn_sinks.weight", spec.n_head, std=0.5),
+                 _vector(b + "post_attention_norm.weight", e, fill=1.0)]
+    elif spec.arch in ("qwen3moe", "hy_v3", "grovemoe"):
+        plan += [_vector(b + "attn_q_norm.weight", hd, fill=1.0), _vector(b + "attn_k_norm.weight", hd, fill=1.0)]
+    return plan
+
+
 def _plan_moe(spec: SynthSpec) -> list[_Tensor]:
     e, f, n_exp = spec.n_embd, spec.n_ff_exp, spec.n_expert
-    hd, q_dim, kv_dim = spec.head_dim, spec.n_embd, spec.head_dim * spec.n_head_kv
     plan = [_matrix("token_embd.weight", spec.n_vocab, e), _vector("output_norm.weight", e, fill=1.0),
             _matrix("output.weight", spec.n_vocab, e)]
     for i in range(spec.n_layer):
         b = f"blk.{i}."
-        plan += [_vector(b + "attn_norm.weight", e, fill=1.0),
-                 _matrix(b + "attn_q.weight", q_dim, e), _matrix(b + "attn_k.weight", kv_dim, e),
-                 _matrix(b + "attn_v.weight", kv_dim, e), _matrix(b + "attn_output.weight", e, q_dim)]
-        if spec.arch == "qwen2moe":
-            plan += [_vector(b + "attn_q.bias", q_dim, std=0.02), _vector(b + "attn_k.bias", kv_dim, std=0.02),
-                     _vector(b + "attn_v.bias", kv_dim, std=0.02)]
-        else:
-            plan += [_vector(b + "attn_q_norm.weight", hd, fill=1.0), _vector(b + "attn_k_norm.weight", hd, fill=1.0)]
-        plan += [_vector(b + "ffn_norm.weight", e, fill=1.0),
-                 _matrix(b + "ffn_gate_inp.weight", n_exp, e, quantize=False, scale=_ROUTER_LOGIT_STD)]
+        plan += _plan_attention(spec, b, i)
+        if spec.arch not in ("gpt-oss", "qwen3next"):  # these normalise the FFN input with post_attention_norm
+            plan.append(_vector(b + "ffn_norm.weight", e, fill=1.0))
+        if i < spec.n_dense_lead:  # deepseek2's leading dense layers: feed_forward_length = n_ff_exp * k
+            n_ff = f * spec.n_expert_used
+            plan += [_matrix(b + "ffn_gate.weight", n_ff, e), _matrix(b + "ffn_up.weight", n_ff, e),
+                     _matrix(b + "ffn_down.weight", e, n_ff)]
+            continue
+        plan.append(_matrix(b + "ffn_gate_inp.weight", n_exp, e, quantize=False, scale=_ROUTER_LOGIT_STD))
+        if spec.arch == "gpt-oss":
+            plan.append(_vector(b + "ffn_gate_inp.bias", n_exp, std=0.1))
+        elif spec.arch == "deepseek2":
+            plan.append(_vector(b + "exp_probs_b.bias", n_exp, std=0.1))
         if spec.arch == "hy_v3":
             plan += [_vector(b + "exp_probs_b", n_exp, std=0.1),
                      _matrix(b + "ffn_gate_up_exps.weight", n_exp, 2 * f, e)]
         else:
             plan += [_matrix(b + "ffn_gate_exps.weight", n_exp, f, e), _matrix(b + "ffn_up_exps.weight", n_exp, f, e)]
         plan.append(_matrix(b + "ffn_down_exps.weight", n_exp, e, f))
+        if spec.arch == "grovemoe":
+            n_chunk = n_exp // GROVEMOE_EXPERTS_PER_GROUP
+            plan += [_matrix(b + "ffn_gate_chexps.weight", n_chunk, f, e),
+                     _matrix(b + "ffn_up_chexps.weight", n_chunk, f, e),
+                     _matrix(b + "ffn_down_chexps.weight", n_chunk, e, f)]
+        if spec.arch == "gpt-oss":
+            plan += [_biases(b + "ffn_gate_exps.bias", n_exp, f), _biases(b + "ffn_up_exps.bias", n_exp, f),
+                     _biases(b + "ffn_down_exps.bias", n_exp, e)]
         if spec.has_shared_expert:
-            s = spec.n_ff_shexp
+            s = spec.shared_ff
             if _SHARED_EXPERT[spec.arch]:
                 plan.append(_matrix(b + "ffn_gate_inp_shexp.weight", e, quantize=False))
             plan += [_matrix(b + "ffn_gate_shexp.weight", s, e), _matrix(b + "ffn_up_shexp.weight", s, e),
@@ -516,7 +646,7 @@ def _write(path: Path, arch: str, name: str, dtype: _DType, seed: int, plan: lis
 
 
 def _common_hparams(w: object, *, n_layer: int, n_ctx: int, n_embd: int, n_ff: int, n_head: int,
-                    n_head_kv: int, head_dim: int) -> None:
+                    n_head_kv: int, head_dim: int, head_sizes: bool = True) -> None:
     import gguf
 
     assert isinstance(w, gguf.GGUFWriter)
@@ -526,9 +656,10 @@ def _common_hparams(w: object, *, n_layer: int, n_ctx: int, n_embd: int, n_ff: i
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    if head_sizes:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(ROPE_FREQ_BASE)
     w.add_layer_norm_rms_eps(RMS_EPS)
 
@@ -542,26 +673,63 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
         import gguf
 
         assert isinstance(w, gguf.GGUFWriter)
-        _common_hparams(w, n_layer=spec.n_layer, n_ctx=spec.n_ctx, n_embd=spec.n_embd,
-                        n_ff=spec.n_ff_exp * spec.n_expert_used, n_head=spec.n_head, n_head_kv=spec.n_head_kv,
-                        head_dim=spec.head_dim)
+        # llama (mixtral) sizes its experts by feed_forward_length
+        n_ff = spec.n_ff_exp if spec.arch == "mixtral" else spec.n_ff_exp * spec.n_expert_used
+        head_dim = spec.head_dim
+        if spec.arch == "deepseek2":
+            d = _deepseek2_dims(spec)
+            # MLA is stored as MQA with larger heads (as the pinned convert script writes it)
+            _common_hparams(w, n_layer=spec.n_layer, n_ctx=spec.n_ctx, n_embd=spec.n_embd, n_ff=n_ff,
+                            n_head=spec.n_head, n_head_kv=1, head_dim=head_dim, head_sizes=False)
+            w.add_key_length(d["kv_lora"] + d["rope"])
+            w.add_value_length(d["kv_lora"])
+            w.add_key_length_mla(d["nope"] + d["rope"])
+            w.add_value_length_mla(d["v"])
+            w.add_rope_dimension_count(d["rope"])
+            w.add_q_lora_rank(d["q_lora"])
+            w.add_kv_lora_rank(d["kv_lora"])
+            w.add_vocab_size(spec.n_vocab)
+            w.add_leading_dense_block_count(spec.n_dense_lead)
+            w.add_expert_weights_scale(DEEPSEEK2_WEIGHTS_SCALE)
+            groups, used = spec.expert_groups
+            if groups > 1:
+                w.add_expert_group_count(groups)
+                w.add_expert_group_used_count(used)
+        else:
+            _common_hparams(w, n_layer=spec.n_layer, n_ctx=spec.n_ctx, n_embd=spec.n_embd, n_ff=n_ff,
+                            n_head=spec.n_head, n_head_kv=spec.n_head_kv, head_dim=head_dim)
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.n_ff_exp)
         if spec.has_shared_expert:
-            w.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
+            if spec.arch != "deepseek2":
+                w.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
             w.add_expert_shared_count(1)
-        if spec.arch == "qwen3moe":
+        if spec.arch in ("qwen3moe", "mixtral"):
             w.add_expert_weights_norm(True)
+        elif spec.arch == "grovemoe":
+            w.add_expert_chunk_feed_forward_length(spec.n_ff_exp)
+            w.add_experts_per_group(GROVEMOE_EXPERTS_PER_GROUP)
+            w.add_expert_group_scale(1.0)
         elif spec.arch == "qwen2moe":
             w.add_expert_weights_norm(False)
-        elif spec.arch == "hy_v3":
+        elif spec.arch in ("hy_v3", "deepseek2"):
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             w.add_expert_weights_norm(True)
+        elif spec.arch == "gpt-oss":  # its graph gates with softmax after top-k whatever the metadata says
+            w.add_sliding_window(GPT_OSS_SLIDING_WINDOW)
+        elif spec.arch == "qwen3next":  # its graph normalises the top-k weights whatever the metadata says
+            d = _qwen3next_dims(spec)
+            w.add_ssm_conv_kernel(QWEN3NEXT_CONV_KERNEL)
+            w.add_ssm_state_size(d["state"])
+            w.add_ssm_group_count(d["k_heads"])
+            w.add_ssm_time_step_rank(d["v_heads"])
+            w.add_ssm_inner_size(d["value"])
+            w.add_full_attention_interval(QWEN3NEXT_FULL_ATTENTION_INTERVAL)
 
     name = (f"synth-{spec.arch}-L{spec.n_layer}-E{spec.n_expert}k{spec.n_expert_used}-d{spec.n_embd}"
             f"-{spec.dtype}-s{spec.seed}")
-    return _write(Path(path), spec.arch, name, dtype, spec.seed, _plan_moe(spec), hparams, spec.n_vocab)
+    return _write(Path(path), spec.gguf_arch, name, dtype, spec.seed, _plan_moe(spec), hparams, spec.n_vocab)
 
 
 def write_dense_model(path: str | Path, seed: int = 0, *, n_layer: int = 2, n_embd: int = 64, n_ff: int = 128,

@@ -55,6 +55,7 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     // a memory-fitting dry run (llama.cpp's -fit probe) sizes the cache but never runs: it writes, prints and
     // traces nothing, so that no all-zero statistics file is left looking like the run's
     dry_run = hparams.no_alloc;
+    test_gating = getenv("LLAMA_MOE_CACHE_TEST_GATING") != nullptr;
     if (!dry_run) {
         // the output paths are checked now, not after a long run
         for (const std::string * path : { &cfg.stats, &cfg.profile_out }) {
@@ -83,8 +84,11 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
             " needs a Mixture-of-Experts model, and this model (" + llm_arch_name(model.arch) + ") has no routed experts");
     }
     if (model.arch == LLM_ARCH_GROVEMOE) {
-        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer; the expert cache does not support it");
+        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
+            "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
+
+    arch = llm_arch_name(model.arch);
 
     n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
     if (cfg.vram > 0 || cfg.ram > 0) {
@@ -250,6 +254,9 @@ void llama_expert_cache::reset() {
         L->policy.reset();
         L->route_ns      = 0;
         L->route_tokens  = 0;
+        L->gating_checked   = 0;
+        L->gating_ratio_min = 1e300;
+        L->gating_ratio_max = -1e300;
         L->bypass_tokens = 0;
     }
     if (engine) {
@@ -475,6 +482,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     if (cache.cfg.bypass > 0 && T >= (int64_t) cache.cfg.bypass) {
         // prefill bypass: stock routing with the full expert tensors, then warm the residency
         L.warm_counts.assign(E, 0);
+        L.gate_w.clear(); // not gated on the host
         L.actions.assign((size_t) T * k, LLAMA_EXPERT_ACTION_HIT);
         L.scales.assign((size_t) T * k, 1.0f);
         for (int64_t t = 0; t < T; ++t) {
@@ -508,6 +516,9 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     L.actions.resize((size_t) T * k);
     L.scales.resize((size_t) T * k);
     L.w.resize(k);
+    if (cache.test_gating) {
+        L.gate_w.resize((size_t) T * k);
+    }
     if (need_probs) {
         L.probs.resize(E);
         if (bias) {
@@ -528,6 +539,9 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         }
 
         const float * scores = route_gate(L, id, lg, bias ? (const float *) bias->data : nullptr, k, E, need_probs);
+        if (cache.test_gating) {
+            std::copy(w, w + k, L.gate_w.data() + t*k);
+        }
 
         L.policy.decide(id, w, k, scores, out, act, sc);
 
@@ -547,6 +561,35 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
     L.route_tokens += (uint64_t) T;
+}
+
+// LLAMA_MOE_CACHE_TEST_GATING: the graph's gate weights [1, k, n_tokens] (src[1]) against the route step's, as
+// the ratio graph/route per selection (min and max over the run; the stats file reports them)
+static void llama_expert_cache_check_gating(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto & L = *(llama_expert_cache_layer *) userdata;
+    const ggml_tensor * weights = dst->src[1];
+    const int64_t k = weights->ne[1];
+    const int64_t T = weights->ne[2];
+    *(float *) dst->data = 0.0f;
+    if ((int64_t) L.gate_w.size() != k*T) {
+        return; // a bypassed ubatch: not gated on the host
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t r = 0; r < k; ++r) {
+            const float gw = *(const float *) ((const char *) weights->data + r*weights->nb[1] + t*weights->nb[2]);
+            const float w  = L.gate_w[t*k + r];
+            if (w > 1e-6f) {
+                const double ratio = (double) gw / w;
+                L.gating_ratio_min = std::min(L.gating_ratio_min, ratio);
+                L.gating_ratio_max = std::max(L.gating_ratio_max, ratio);
+                L.gating_checked++;
+            }
+        }
+    }
 }
 
 static void llama_expert_cache_keep(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -589,17 +632,22 @@ ggml_tensor * llama_expert_cache::build_route(
         return ids; // warmup (k = n_expert): stock routing, no statistics
     }
     if (il < 0 || il >= n_layer || !layers[il]->moe) {
-        throw std::runtime_error(format("expert cache: build_moe_ffn called for layer %d, which has no routed experts", il));
+        throw std::runtime_error(format("expert cache: %s routes experts in layer %d, where the cache found no routed expert "
+            "tensors (an MTP or extra expert set): the expert cache cannot serve this graph; run it without the cache "
+            "(unset LLAMA_MOE_CACHE, or mode=off)", arch.c_str(), il));
     }
     if (ids->type != GGML_TYPE_I32 || ids->nb[0] != sizeof(int32_t) || ids->ne[2] != 1 || ids->ne[3] != 1) {
-        throw std::runtime_error("expert cache: unexpected layout of the selected experts tensor");
+        throw std::runtime_error("expert cache: " + arch + " selects experts in a layout the route step does not read "
+            "(not I32 [k, n_tokens]): run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
     if (logits == nullptr || logits->type != GGML_TYPE_F32 || logits->nb[0] != sizeof(float) || logits->ne[0] != n_expert ||
             logits->ne[1] != ids->ne[1]) {
-        throw std::runtime_error("expert cache: the router logits are not an F32 [n_expert, n_tokens] tensor");
+        throw std::runtime_error("expert cache: " + arch + "'s router logits are not an F32 [n_expert, n_tokens] tensor, "
+            "which the route step reads: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
     if (exp_probs_b && (exp_probs_b->type != GGML_TYPE_F32 || ggml_nelements(exp_probs_b) != n_expert || !ggml_is_contiguous(exp_probs_b))) {
-        throw std::runtime_error("expert cache: unsupported expert selection bias tensor");
+        throw std::runtime_error("expert cache: " + arch + "'s expert selection bias is not an F32 vector of n_expert "
+            "values, which the route step reads: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
     }
     switch (gating) {
         case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
@@ -608,7 +656,8 @@ ggml_tensor * llama_expert_cache::build_route(
         case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
             break;
         default:
-            throw std::runtime_error(format("expert cache: unsupported gating function %d", (int) gating));
+            throw std::runtime_error(format("expert cache: %s gates its experts with function %d, which the route step "
+                "does not recompute: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)", arch.c_str(), (int) gating));
     }
 
     auto & L = *layers[il];
@@ -665,6 +714,17 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
         for (ggml_tensor ** t : expert_tensors) {
             *t = bank(il, *t);
         }
+    }
+    if (test_gating && il >= 0 && il < n_layer && layers[il]->moe && weights->type == GGML_TYPE_F32 &&
+            weights->ne[0] == 1 && weights->ne[1] == route->ne[0] && weights->ne[2] == route->ne[1]) {
+        ggml_tensor * cargs[2] = { route, weights };
+        ggml_tensor * chk = ggml_custom_4d(g.ctx0, GGML_TYPE_F32, 1, 1, 1, 1, cargs, 2,
+                llama_expert_cache_check_gating, 1, layers[il].get());
+        ggml_format_name(chk, "moe_cache_check_gating-%d", il);
+        if (g.backend_cpu) {
+            ggml_backend_sched_set_tensor_backend(g.sched, chk, g.backend_cpu);
+        }
+        ggml_build_forward_expand(g.gf, chk);
     }
     if (keep) {
         if (g.backend_cpu) {
@@ -861,6 +921,17 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "  \"bypass_token_layers\": %llu,\n", (unsigned long long) bypass_tl);
     fprintf(f, "  \"route_ns\": %llu,\n", (unsigned long long) route_ns);
     fprintf(f, "  \"route_ns_per_token_layer\": %.6g,\n", route_tokens ? (double) route_ns / route_tokens : 0.0);
+    if (test_gating) {
+        uint64_t checked = 0;
+        double rmin = 1e300, rmax = -1e300;
+        for (const auto & L : layers) {
+            checked += L->gating_checked;
+            rmin = std::min(rmin, L->gating_ratio_min);
+            rmax = std::max(rmax, L->gating_ratio_max);
+        }
+        fprintf(f, "  \"gating_check\": {\"checked\": %llu, \"ratio_min\": %.9g, \"ratio_max\": %.9g},\n",
+            (unsigned long long) checked, checked ? rmin : 0.0, checked ? rmax : 0.0);
+    }
     fprintf(f, "  \"total\": {\n");
     // tokens decided: those that reached the first MoE layer (graphs may skip unused tokens in the last layer)
     uint64_t n_tokens = 0;

@@ -63,6 +63,13 @@ struct llama_expert_cache_layer {
     std::vector<float>   scores;
     std::vector<float>   w;
     std::vector<int32_t> top;
+
+    // LLAMA_MOE_CACHE_TEST_GATING (tests): the route step's gate weights of the last ubatch, [n_tokens][k], and the
+    // ratio of the graph's weights to them over the run (1, or the model's expert_weights_scale, when they agree)
+    std::vector<float> gate_w;
+    uint64_t gating_checked   = 0;
+    double   gating_ratio_min = 1e300;
+    double   gating_ratio_max = -1e300;
 };
 
 struct llama_expert_cache {
@@ -144,6 +151,8 @@ struct llama_expert_cache {
     int32_t n_slots  = 0;
     int32_t group_max = 1; // largest ubatch decided as a group (group key; group_max*n_used <= n_slots)
     bool    dry_run   = false; // a memory-fitting dry run (-fit's probe): no statistics, profile or trace written
+    std::string arch; // the model's architecture, for error messages
+    bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
 

@@ -427,8 +427,9 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
             return b.bank;
         }
     }
-    throw std::runtime_error(format("expert cache: mode=engine has no cache bank for tensor %s of layer %d",
-        ggml_get_name(src), il));
+    throw std::runtime_error(format("expert cache: layer %d computes its experts with %s, which mode=engine has no "
+        "cache bank for (it banks ffn_{gate,up,down,gate_up}_exps and their biases and scales): use mode=emulate, or run "
+        "without the cache (unset LLAMA_MOE_CACHE, or mode=off)", il, ggml_get_name(src)));
 }
 
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
