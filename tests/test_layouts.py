@@ -201,3 +201,39 @@ def test_leading_dense_layer(layout_text: Path, tmp_path: Path, stock_build: Bui
     assert eng.stats["total"]["substitutions"] > 0 and eng.stats["total"]["subst_first_choice"] == 0
     assert emu.nll is not None and eng.nll is not None
     np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", LAYOUTS)
+def test_layout_q4_k_m(arch: str, layout_text: Path, tmp_path: Path, stock_build: Build,
+                       layout_build: Build) -> None:
+    """Each new layout at Q4_K_M (llama-quantize of the pin; rows 256 wide, types mixed per tensor): engine
+    fetch-all is stock bit for bit (ubatch 1, -nr on both sides: repacked kernels sum in another order), and the
+    engine takes emulate's decisions under the quality preset, which never substitutes a first choice or a weight
+    >= tau (with k = 4 most weights are >= 0.15: some layouts substitute nothing)."""
+    from harness.core.errors import HarnessError
+    from harness.tools.quantize import find_quantize, write_kquant_model
+
+    try:
+        tool = find_quantize({"stock": stock_build, "patched": layout_build})
+    except HarnessError as e:
+        pytest.skip(str(e))
+    spec = SynthSpec(arch=arch, n_expert=32, n_expert_used=4, n_layer=N_LAYER, n_embd=256, n_ff_exp=256,
+                     n_ff_shexp=256, seed=5)
+    model = write_kquant_model(spec, "Q4_K_M", tmp_path / f"{arch}-q4_k_m.gguf", tool)
+    nr = ("-nr",)
+    stock = run_ppl(stock_build, model, layout_text, tmp_path / "stock", ubatch=1, nll=False, extra=nr)
+    fa = run_ppl(layout_build, model, layout_text, tmp_path / "fa", "mode=engine,policy=fetch-all,slots=8", ubatch=1,
+                 nll=False, extra=nr)
+    emu = run_ppl(layout_build, model, layout_text, tmp_path / "emu", "mode=emulate,policy=quality,slots=8", ubatch=1,
+                  extra=nr)
+    eng = run_ppl(layout_build, model, layout_text, tmp_path / "eng", "mode=engine,policy=quality,slots=8", ubatch=1,
+                  extra=nr)
+    for r in (stock, fa, emu, eng):
+        check_ok(r)
+    assert fa.logits == stock.logits
+    assert emu.stats is not None and eng.stats is not None and fa.stats is not None
+    assert fa.stats["engine"]["copied_experts"] > 0
+    same_decisions(emu.stats, eng.stats)
+    t = eng.stats["total"]
+    assert t["misses"] > 0 and t["subst_first_choice"] == 0 and t["max_subst_weight"] < 0.15, t
