@@ -985,3 +985,36 @@ def test_output_paths_checked_first_and_fit_probe_writes_nothing(engine_models: 
         finally:
             p.kill()
             p.wait()
+
+
+@pytest.mark.build
+def test_fit_probe_reports_nothing_and_agrees_with_the_run(engine_models: dict[str, Path], engine_text: Path,
+                                                           engine_build: Build) -> None:
+    """llama.cpp's -fit probe (on by default) loads without mmap and counts the weights differently: it must not
+    print the cache's errors (the real context prints them, once) nor refuse a budget the real context accepts; a
+    budget too small is one error and a non-zero exit, with -fit on as with -fit off."""
+    model = engine_models["qwen3moe"]
+
+    def ppl(spec: str, *extra: str) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+        env["LLAMA_MOE_CACHE"] = spec
+        r = subprocess.run([str(engine_build.tool("llama-perplexity")), "-m", str(model), "-f", str(engine_text),
+                            "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", "1", "-t", THREADS, *extra], env=env,
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stdout + r.stderr
+
+    rc, out = ppl("mode=bogus")
+    assert rc != 0 and out.count("bad value 'bogus' for key 'mode'") == 1, out[-3000:]
+    assert "common_fit_params" not in out, out[-3000:]
+    rc, out = ppl("mode=engine,vram=1M,vram_reserve=0", "--fit", "off", "-lv", "4")
+    plan = re.search(r"expert cache plan: vram=\d+ weights=(\d+) context=(\d+) reserve=(\d+) per_slot=(\d+) "
+                     r"banks=(\d+) n_expert=\d+ k=(\d+)", out)
+    assert rc == 0 and plan is not None, out[-3000:]
+    weights, context, reserve, per_slot, banks, k = (int(x) for x in plan.groups())
+    need = weights + context + reserve + (k + 1) * per_slot + 512 * banks  # the smallest budget the run accepts
+    for vram, ok in ((need, True), (need - 1, False)):
+        for fit in ("on", "off"):
+            rc, out = ppl(f"mode=engine,vram={vram},vram_reserve=0", "--fit", fit)
+            assert (rc == 0) == ok, (vram, fit, out[-3000:])
+            assert out.count("is too small") == (0 if ok else 1), (vram, fit, out[-3000:])
+            assert "common_fit_params" not in out, out[-3000:]

@@ -23,11 +23,31 @@
 // construction
 //
 
+static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
+        const char * spec);
+
 std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory) {
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
         return nullptr;
     }
+    if (model.hparams.no_alloc) {
+        // a memory-fitting dry run (llama.cpp's -fit probe, followed by the real context): it plans with the cache's
+        // memory when the cache can be made; otherwise without it, silently, so that an error is reported once, by
+        // the real context, whose outcome alone counts (the probe loads without mmap and may count the weights
+        // differently: it must not refuse a budget that the real context accepts, nor the reverse)
+        try {
+            return expert_cache_create(model, memory, spec);
+        } catch (const std::exception & e) {
+            LLAMA_LOG_DEBUG("%s: the memory-fitting probe plans without the expert cache: %s\n", __func__, e.what());
+            return nullptr;
+        }
+    }
+    return expert_cache_create(model, memory, spec);
+}
+
+static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
+        const char * spec) {
     llama_expert_cache_config cfg;
     std::string err;
     if (!llama_expert_cache_config_parse(spec, cfg, err)) {
