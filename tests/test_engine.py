@@ -1018,3 +1018,24 @@ def test_fit_probe_reports_nothing_and_agrees_with_the_run(engine_models: dict[s
             assert (rc == 0) == ok, (vram, fit, out[-3000:])
             assert out.count("is too small") == (0 if ok else 1), (vram, fit, out[-3000:])
             assert "common_fit_params" not in out, out[-3000:]
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a file whose writes fail: ENOSPC)")
+@pytest.mark.parametrize(("key", "what"), [("stats", "the statistics"), ("profile_out", "the profile"),
+                                           ("trace", "the router trace")])
+def test_final_write_failure_exits_nonzero(key: str, what: str, engine_models: dict[str, Path], engine_text: Path,
+                                           engine_build: Build) -> None:
+    """stats=, profile_out= and trace= pass the check at start on /dev/full, then their write at the end fails (no
+    space): one line naming the key, the path and the reason, exit status 1 (not 0), and the tool's last lines
+    are not lost (the exit handler runs after common's log drain)."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["LLAMA_MOE_CACHE"] = f"mode=emulate,slots=25%,{key}=/dev/full"
+    r = subprocess.run([str(engine_build.tool("llama-perplexity")), "-m", str(engine_models["qwen3moe"]), "-f",
+                        str(engine_text), "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", "1", "-t", THREADS],
+                       env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    line = f"{key}=/dev/full: {what} could not be written at the end of the run (No space left on device)"
+    assert out.count(line) == 1, out[-3000:]
+    assert "Final estimate: PPL" in out, out[-3000:]
