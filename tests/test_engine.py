@@ -475,7 +475,7 @@ def _metrics(text: str) -> dict[str, float]:
 @pytest.mark.build
 def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path, engine_build: Build) -> None:
     """llama-server with the engine answers concurrent requests (2 parallel slots, loopback, bounded) and reports
-    consistent cache counters on /metrics."""
+    consistent cache counters on /metrics, all zero before the first request; /props names the policy."""
     import threading
     import time
     import urllib.request
@@ -500,6 +500,10 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
             assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
             assert time.time() < deadline, "llama-server did not become healthy"
             time.sleep(0.2)
+        # before the first request: every counter zero (the start-up probe decode after the warmup does not count)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            m0 = _metrics(r.read().decode())
+        assert m0 and {k: v for k, v in m0.items() if k not in ("slots", "bank_bytes") and v != 0} == {}, m0
 
         errors: list[str] = []
 
@@ -532,7 +536,9 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    assert props.get("moe_cache") == {"mode": "engine", "n_slots": N_EXPERT // 4, "n_expert": N_EXPERT,
+    assert props.get("moe_cache") == {"mode": "engine", "policy": "quality", "rule": "threshold", "tau": 0.15,
+                                      "evict": "lfu", "admit": True, "host": "ram", "n_slots": N_EXPERT // 4,
+                                      "n_expert": N_EXPERT,
                                       "group_max": N_EXPERT // 4 // K, "bank_bytes": int(m["bank_bytes"]),
                                       "async": False}, props.get("moe_cache")
     assert m, "no moe_cache counters in /metrics"
