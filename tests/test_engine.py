@@ -1045,3 +1045,18 @@ def test_final_write_failure_exits_nonzero(key: str, what: str, engine_models: d
     line = f"{key}=/dev/full: {what} could not be written at the end of the run (No space left on device)"
     assert out.count(line) == 1, out[-3000:]
     assert "Final estimate: PPL" in out, out[-3000:]
+
+
+@pytest.mark.build
+@pytest.mark.parametrize(("spec", "reason"), [("mode=bogus", "bad value 'bogus' for key 'mode'"),
+                                              ("mode=engine,vram=1000", "vram=0 MiB is too small")])
+def test_bench_says_why_without_verbose(spec: str, reason: str, engine_models: dict[str, Path],
+                                        engine_build: Build) -> None:
+    """llama-bench silences llama.cpp's log unless -v: the cache's reason for refusing a context still reaches
+    stderr, once (patch 0008), next to llama-bench's own 'failed to create context'; the exit status is 1."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["LLAMA_MOE_CACHE"] = spec
+    r = subprocess.run([str(engine_build.tool("llama-bench")), "-m", str(engine_models["qwen3moe"]), "-p", "8", "-n",
+                        "0", "-t", THREADS, "-r", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.count(reason) == 1 and "failed to create context" in r.stderr, r.stderr
