@@ -43,7 +43,7 @@ while [ $# -gt 0 ]; do
         --share-ggml) share_ggml=1 ;;
         --targets) want_targets=${2:?--targets needs tool names}; shift ;;
         --sanitize) sanitize=1 ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
     esac
     shift
