@@ -15,6 +15,9 @@
 #                                  trees must exist (./build.sh, or scripts/gpu_bundle.sh's .gpu/ unpacked)
 #   ./build.sh --bindings          also install llama-cpp-python into .venv: the pinned sdist's Python package,
 #                                  without its C++ build; LLAMA_CPP_LIB_PATH=<patched bin> loads the patched libllama
+#   ./build.sh --sanitize          the patched tree with AddressSanitizer + UndefinedBehaviorSanitizer, in its own
+#                                  build-<backend>-asan (build/builds.json unchanged); run the tests against it with
+#                                  MOE_SUBST_PATCHED_BIN=vendor/llama.cpp-patched/build-cpu-asan/bin
 #
 # Idempotent: a second run with nothing changed finishes in seconds.
 set -euo pipefail
@@ -30,6 +33,7 @@ offline=0
 share_ggml=0
 bindings=0
 want_targets=
+sanitize=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --cuda) backend=cuda ;;
@@ -43,12 +47,17 @@ while [ $# -gt 0 ]; do
         --share-ggml) share_ggml=1 ;;
         --bindings) bindings=1 ;;
         --targets) want_targets=${2:?--targets needs tool names}; shift ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --sanitize) sanitize=1 ;;
+        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
     esac
     shift
 done
 case "$only" in ""|stock|patched|harness) ;; *) echo "build.sh: error: --only takes stock, patched or harness" >&2; exit 2 ;; esac
+if [ "$sanitize" = 1 ]; then
+    case "$only" in ""|patched) only=patched ;; *) echo "build.sh: error: --sanitize builds the patched tree only" >&2; exit 2 ;; esac
+    [ "$share_ggml" = 0 ] || { echo "build.sh: error: --sanitize does not go with --share-ggml" >&2; exit 2; }
+fi
 
 die() { echo "build.sh: error: $*" >&2; exit 1; }
 t_all=$(date +%s)
@@ -243,8 +252,19 @@ PY
     fi
 fi
 
+build_suffix=
+if [ "$sanitize" = 1 ]; then
+    # ASan + UBSan (llama.cpp's own options) on libllama (our src/ included), common and the tools; ggml keeps the
+    # normal flags (its objects come from ccache; MOE_SUBST_SANITIZE_GGML=1 sanitizes it too, a much longer build)
+    build_suffix=-asan
+    cmake_common+=(-DLLAMA_SANITIZE_ADDRESS=ON -DLLAMA_SANITIZE_UNDEFINED=ON)
+    if [ "${MOE_SUBST_SANITIZE_GGML:-0}" = 1 ]; then
+        cmake_common+=(-DGGML_SANITIZE_ADDRESS=ON -DGGML_SANITIZE_UNDEFINED=ON)
+    fi
+fi
+
 build_tree() {  # name tree [extra cmake args]
-    local name=$1 tree=$2 dir="$2/build-$backend" args_stamp want
+    local name=$1 tree=$2 dir="$2/build-$backend$build_suffix" args_stamp want
     shift 2
     local args=("${cmake_common[@]}" "$@")
     # the patched tree compiles moe-subst's own C++ (src/) into its targets (src/moe-subst.cmake)
@@ -282,6 +302,13 @@ if [ "$share_ggml" = 1 ] && [ -z "$only" ]; then
 else
     [ "$only" = patched ] || build_tree stock "$stock_tree"
     [ "$only" = stock ] || build_tree patched "$patched_tree"
+fi
+
+if [ "$sanitize" = 1 ]; then
+    echo
+    echo "build.sh: sanitized build in $(( $(date +%s) - t_all )) s: vendor/llama.cpp-patched/build-$backend-asan/bin"
+    echo "  tests: MOE_SUBST_PATCHED_BIN=$patched_tree/build-$backend-asan/bin .venv/bin/python -m pytest tests/test_engine.py"
+    exit 0
 fi
 
 # ---- 4b. the Python bindings (--bindings) ----------------------------------------------------------------

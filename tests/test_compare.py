@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ class FakeEnv(Environment):
 
     def host_available_bytes(self) -> int:
         return self._host
+
+    def default_threads(self) -> tuple[int, str]:
+        return 3, "4 CPUs available to this process, 1-minute load average 1.0"
 
 
 class FakeRunner:
@@ -363,3 +367,69 @@ def test_compare_entry_writes_the_report(tmp_path: Path, synth_models: dict[str,
     assert res.options.model == synth_models["qwen3moe"] and res.plan.info.arch == "qwen3moe"
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.startswith("# harness compare") and "fetch-all" in report
+
+
+class NoisyRunner(FakeRunner):
+    """The speed policy's runs swing between 1x and 6x its speed (a busy machine); records every bench's threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int | None] = []
+        self.n_speed = 0
+
+    def bench(self, build: Build, req: BenchRequest) -> BenchRun:
+        self.threads.append(req.threads)
+        run = super().bench(build, req)
+        if req.label != "speed":
+            return run
+        self.n_speed += 1
+        f = 6.0 if self.n_speed % 2 else 1.0
+        res = tuple(dataclasses.replace(r, samples_ns=tuple(int(ns / f) for ns in r.samples_ns), avg_ts=r.avg_ts * f)
+                    for r in run.results)
+        return BenchRun(res, run.output)
+
+
+def test_unstable_runs_are_marked_and_their_ratio_not_reported(setup: tuple[CompareOptions, ModelInfo, FakeEnv]
+                                                               ) -> None:
+    """A configuration whose runs vary far more than the machine allows a result (CV above 25%, or a ratio CI
+    wider than half the ratio) is marked UNSTABLE in the table and the report, with its reason, and no ratio to
+    stock is printed for it; stable configurations keep theirs."""
+    from harness.report.markdown import render_compare_markdown
+    from harness.report.tables import speed_cells
+
+    opts, info, env = setup
+    res = run_compare(opts, NoisyRunner(), info, env=env)
+    rows = {(r.config, r.test): r for r in res.speed}
+    for test in ("pp512", "tg128"):
+        noisy, calm = rows[("speed", test)], rows[("quality", test)]
+        assert "speed's" in noisy.unstable and "CV" in noisy.unstable, noisy
+        assert speed_cells(noisy)[3] == "UNSTABLE (see warnings)"
+        assert calm.unstable == "" and speed_cells(calm)[3].startswith("2.4"), speed_cells(calm)
+        assert any(w.startswith(f"speed {test}: UNSTABLE, no ratio to stock reported") for w in noisy.warnings)
+    md = render_compare_markdown(res)
+    assert md.count("UNSTABLE (see warnings)") == 2 and "speed tg128: UNSTABLE" in md
+
+
+def test_threads_default_to_the_free_cpus_and_are_named(setup: tuple[CompareOptions, ModelInfo, FakeEnv]) -> None:
+    """No --threads: every run gets the CPUs free now (the environment's count), and the plan's notes say so;
+    --threads N is used as given and named; --threads 0 is refused."""
+    from dataclasses import replace
+
+    opts, info, env = setup
+    runner = NoisyRunner()
+    res = run_compare(opts, runner, info, env=env)
+    assert runner.threads and set(runner.threads) == {3}
+    assert any(n.startswith("threads: 3 per run, no more than the machine has free (4 CPUs") for n in res.notes)
+    runner = NoisyRunner()
+    res = run_compare(replace(opts, threads=2, out=opts.out.parent / "out2"), runner, info, env=env)
+    assert set(runner.threads) == {2} and "threads: 2 per run (--threads)" in res.notes
+    with pytest.raises(HarnessError, match="--threads must be at least 1"):
+        run_compare(replace(opts, threads=0, out=opts.out.parent / "out3"), runner, info, env=env)
+
+
+@pytest.mark.parametrize(("cpus", "load", "want"), [(8, 0.0, 8), (8, 2.4, 6), (8, 2.6, 5), (2, 2.0, 1), (2, 7.0, 1),
+                                                    (1, 0.0, 1)])
+def test_threads_without_oversubscription(cpus: int, load: float, want: int) -> None:
+    from harness.tools.runners import threads_without_oversubscription
+
+    assert threads_without_oversubscription(cpus, load) == want

@@ -484,7 +484,7 @@ def _metrics(text: str) -> dict[str, float]:
 @pytest.mark.build
 def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path, engine_build: Build) -> None:
     """llama-server with the engine answers concurrent requests (2 parallel slots, loopback, bounded) and reports
-    consistent cache counters on /metrics."""
+    consistent cache counters on /metrics, all zero before the first request; /props names the policy."""
     import threading
     import time
     import urllib.request
@@ -509,6 +509,10 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
             assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
             assert time.time() < deadline, "llama-server did not become healthy"
             time.sleep(0.2)
+        # before the first request: every counter zero (the start-up probe decode after the warmup does not count)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            m0 = _metrics(r.read().decode())
+        assert m0 and {k: v for k, v in m0.items() if k not in ("slots", "bank_bytes") and v != 0} == {}, m0
 
         errors: list[str] = []
 
@@ -541,7 +545,9 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    assert props.get("moe_cache") == {"mode": "engine", "n_slots": N_EXPERT // 4, "n_expert": N_EXPERT,
+    assert props.get("moe_cache") == {"mode": "engine", "policy": "quality", "rule": "threshold", "tau": 0.15,
+                                      "evict": "lfu", "admit": True, "host": "ram", "n_slots": N_EXPERT // 4,
+                                      "n_expert": N_EXPERT,
                                       "group_max": N_EXPERT // 4 // K, "bank_bytes": int(m["bank_bytes"]),
                                       "async": False}, props.get("moe_cache")
     assert m, "no moe_cache counters in /metrics"
@@ -1207,3 +1213,72 @@ def test_kquant_budget_is_the_harness_plan(kquant_model: Callable[[str, str], Pa
     for vram, want in ((terms.fixed + 10 * terms.per_slot, 10), (terms.fixed + 10 * terms.per_slot - 1, 9)):
         assert terms.slots(vram) == want
         assert int(run(vram, f"b{vram}")["slots"]) == want
+
+
+@pytest.mark.build
+def test_fit_probe_reports_nothing_and_agrees_with_the_run(engine_models: dict[str, Path], engine_text: Path,
+                                                           engine_build: Build) -> None:
+    """llama.cpp's -fit probe (on by default) loads without mmap and counts the weights differently: it must not
+    print the cache's errors (the real context prints them, once) nor refuse a budget the real context accepts; a
+    budget too small is one error and a non-zero exit, with -fit on as with -fit off."""
+    model = engine_models["qwen3moe"]
+
+    def ppl(spec: str, *extra: str) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+        env["LLAMA_MOE_CACHE"] = spec
+        r = subprocess.run([str(engine_build.tool("llama-perplexity")), "-m", str(model), "-f", str(engine_text),
+                            "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", "1", "-t", THREADS, *extra], env=env,
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stdout + r.stderr
+
+    rc, out = ppl("mode=bogus")
+    assert rc != 0 and out.count("bad value 'bogus' for key 'mode'") == 1, out[-3000:]
+    assert "common_fit_params" not in out, out[-3000:]
+    rc, out = ppl("mode=engine,vram=1M,vram_reserve=0", "--fit", "off", "-lv", "4")
+    plan = re.search(r"expert cache plan: vram=\d+ weights=(\d+) context=(\d+) reserve=(\d+) per_slot=(\d+) "
+                     r"banks=(\d+) n_expert=\d+ k=(\d+)", out)
+    assert rc == 0 and plan is not None, out[-3000:]
+    weights, context, reserve, per_slot, banks, k = (int(x) for x in plan.groups())
+    need = weights + context + reserve + (k + 1) * per_slot + 512 * banks  # the smallest budget the run accepts
+    for vram, ok in ((need, True), (need - 1, False)):
+        for fit in ("on", "off"):
+            rc, out = ppl(f"mode=engine,vram={vram},vram_reserve=0", "--fit", fit)
+            assert (rc == 0) == ok, (vram, fit, out[-3000:])
+            assert out.count("is too small") == (0 if ok else 1), (vram, fit, out[-3000:])
+            assert "common_fit_params" not in out, out[-3000:]
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a file whose writes fail: ENOSPC)")
+@pytest.mark.parametrize(("key", "what"), [("stats", "the statistics"), ("profile_out", "the profile"),
+                                           ("trace", "the router trace")])
+def test_final_write_failure_exits_nonzero(key: str, what: str, engine_models: dict[str, Path], engine_text: Path,
+                                           engine_build: Build) -> None:
+    """stats=, profile_out= and trace= pass the check at start on /dev/full, then their write at the end fails (no
+    space): one line naming the key, the path and the reason, exit status 1 (not 0), and the tool's last lines
+    are not lost (the exit handler runs after common's log drain)."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["LLAMA_MOE_CACHE"] = f"mode=emulate,slots=25%,{key}=/dev/full"
+    r = subprocess.run([str(engine_build.tool("llama-perplexity")), "-m", str(engine_models["qwen3moe"]), "-f",
+                        str(engine_text), "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", "1", "-t", THREADS],
+                       env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    line = f"{key}=/dev/full: {what} could not be written at the end of the run (No space left on device)"
+    assert out.count(line) == 1, out[-3000:]
+    assert "Final estimate: PPL" in out, out[-3000:]
+
+
+@pytest.mark.build
+@pytest.mark.parametrize(("spec", "reason"), [("mode=bogus", "bad value 'bogus' for key 'mode'"),
+                                              ("mode=engine,vram=1000", "vram=0 MiB is too small")])
+def test_bench_says_why_without_verbose(spec: str, reason: str, engine_models: dict[str, Path],
+                                        engine_build: Build) -> None:
+    """llama-bench silences llama.cpp's log unless -v: the cache's reason for refusing a context still reaches
+    stderr, once (patch 0008), next to llama-bench's own 'failed to create context'; the exit status is 1."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["LLAMA_MOE_CACHE"] = spec
+    r = subprocess.run([str(engine_build.tool("llama-bench")), "-m", str(engine_models["qwen3moe"]), "-p", "8", "-n",
+                        "0", "-t", THREADS, "-r", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.count(reason) == 1 and "failed to create context" in r.stderr, r.stderr

@@ -140,3 +140,19 @@ def test_ratio_ci() -> None:
     assert 1.8 <= spread.low < 2.0 < spread.high <= 2.2
     single = ratio_ci([1.0], [2.0])
     assert single.ratio == 0.5 and math.isnan(single.low)
+
+
+def test_unstable_reason_by_hand() -> None:
+    """CV above the bound, on either side, or a ratio CI wider than half the ratio: named; otherwise ""."""
+    from harness.stats.intervals import RatioCI, unstable_reason
+
+    calm = mean_ci([10.0, 10.5, 9.5])  # sd 0.5, CV 5%
+    wild = mean_ci([10.0, 60.0, 10.0, 60.0])  # mean 35, sd 28.87: CV 82%
+    assert unstable_reason(calm) == ""
+    assert unstable_reason(wild, what="x") == "x vary by 82% of their mean (CV; at most 25%)"
+    assert unstable_reason(calm, wild, base_what="stock").startswith("stock vary by 82%")
+    narrow = RatioCI(2.0, 1.6, 2.4, 5, 5)  # width 0.8 = 40% of the ratio
+    wide = RatioCI(2.0, 1.0, 3.2, 5, 5)  # 110%
+    assert unstable_reason(calm, calm, narrow) == ""
+    assert "[1.00, 3.20] is 110% of the ratio wide (at most 50%)" in unstable_reason(calm, calm, wide)
+    assert unstable_reason(mean_ci([10.0]), mean_ci([3.0]), RatioCI(3.3, math.nan, math.nan, 1, 1)) == ""

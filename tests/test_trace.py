@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -142,3 +143,58 @@ def test_engine_trace_matches_engine_statistics(patched_build: Build, tmp_path: 
     assert a.subst_mass_sum == pytest.approx(total["subst_mass_sum"], rel=1e-6)
     # the rewritten trace is byte-identical to the engine's
     assert write_expert_trace(tmp_path / "again.bin", t).read_bytes() == trace.read_bytes()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("header top_m", 1 << 30, "damaged trace header"),
+    ("header k", 0, "damaged trace header"),
+    ("ids", 8, "an expert id outside [0, 8)"),
+    ("ids", -1, "an expert id outside [0, 8)"),
+    ("weights", float("nan"), "a gate weight not finite or < 0"),
+    ("weights", -0.5, "a gate weight not finite or < 0"),
+    ("top_ids", 99, "a top expert id outside [0, 8)"),
+    ("top_score", float("inf"), "a router score that is not finite"),
+    ("layer", 2, "a layer >= n_layer 2"),
+])
+def test_damaged_traces_are_one_line_errors(field: str, value: float, message: str, tmp_path: Path) -> None:
+    """Found by scripts/fuzz_inputs.py: a flipped top_m made numpy raise ValueError (a traceback), and damaged
+    records were read as if valid; both readers now name the damage (llama-moe-sim makes the same checks)."""
+    import struct
+
+    from harness.parsers.trace import read_expert_trace, read_trace_header, synthetic_trace, write_expert_trace
+
+    path = write_expert_trace(tmp_path / "t.bin", synthetic_trace(n_layer=2, n_expert=8, k=2, n_tokens=8, top_m=4))
+    data = bytearray(path.read_bytes())
+    if field.startswith("header"):
+        struct.pack_into("<I", data, {"header k": 24, "header top_m": 28}[field], int(value))
+    else:
+        t = read_expert_trace(path)
+        rec = t.records.copy()
+        rec[field][5] = value
+        data[64:] = rec.tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(HarnessError, match=re.escape(message)):
+        read_expert_trace(path)
+    if field.startswith("header"):
+        with pytest.raises(HarnessError, match=re.escape(message)):
+            read_trace_header(path)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize(("field", "value", "message"), [("weights", float("nan"), "has gate weight nan"),
+                                                         ("weights", -1.0, "has gate weight -1.000000"),
+                                                         ("top_score", float("inf"), "has router score inf")])
+def test_moe_sim_refuses_non_finite_weights(field: str, value: float, message: str, patched_build: Build,
+                                            tmp_path: Path) -> None:
+    """llama-moe-sim replayed NaN or negative gate weights and non-finite router scores as if valid (every decision
+    then depends on garbage): one line naming the record, exit non-zero."""
+    from harness.parsers.trace import read_expert_trace, synthetic_trace, write_expert_trace
+
+    path = write_expert_trace(tmp_path / "t.bin", synthetic_trace(n_layer=2, n_expert=8, k=2, n_tokens=8, top_m=4))
+    t = read_expert_trace(path)
+    rec = t.records.copy()
+    rec[field][3] = value
+    path.write_bytes(path.read_bytes()[:64] + rec.tobytes())
+    r = subprocess.run([str(patched_build.tool("llama-moe-sim")), "--trace", str(path), "-q"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and f"record 3 {message}" in r.stderr, r.stderr

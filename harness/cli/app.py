@@ -128,7 +128,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     options.add_chunks(c, 32)
     c.add_argument("--n-prompt", type=int, default=512, help="llama-bench prompt tokens (default: %(default)s)")
     c.add_argument("--n-gen", type=int, default=128, help="llama-bench generated tokens (default: %(default)s)")
-    options.add_threads(c)
+    options.add_threads(c, "CPU threads per run (default: the CPUs free now, without oversubscription: those "
+                        "available to the harness less the 1-minute load average, at least 1; the plan says which)")
     c.add_argument("--reserve", metavar="SIZE", help="part of the budget kept for KV cache and compute buffers "
                    "(with --ram: the engine's vram_reserve for the compute buffers, default 256M)")
     c.add_argument("--speed-mode", default="engine", help="cache mode for speed runs (default: %(default)s)")

@@ -33,8 +33,8 @@ def add_chunks(p: argparse.ArgumentParser, default: int,
     p.add_argument("--chunks", type=int, default=default, help=help)
 
 
-def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+def add_threads(p: argparse.ArgumentParser, help: str = "CPU threads (default: llama.cpp's)") -> None:
+    p.add_argument("--threads", type=int, help=help)
 
 
 def add_out(p: argparse.ArgumentParser, help: str) -> None:

@@ -47,6 +47,7 @@ class SpeedRow:
     tokens_per_s: MeanCI  # over repetitions; +/- is a 95% CI
     vs_stock: RatioCI | None
     warnings: tuple[str, ...]
+    unstable: str = ""  # why this row (or its ratio to stock) is too unstable to be a result; "" when it is not
 
 
 @dataclass(frozen=True)

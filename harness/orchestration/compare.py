@@ -13,6 +13,7 @@ file (host=file, ram=SIZE); the verdict is each run's peak in the cgroup against
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from harness.core import project
@@ -83,6 +84,8 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     check_policies(opts.policies)
     if opts.runs < 1:
         raise HarnessError("--runs must be at least 1")
+    if opts.threads is not None and opts.threads < 1:
+        raise HarnessError(f"--threads must be at least 1, not {opts.threads}")
     if opts.quality and opts.text is not None and not opts.text.is_file():
         raise HarnessError(f"cannot read the text {opts.text}: no such file")
     limit = check_ram_options(opts, env.host_available_bytes()) if opts.ram is not None else None
@@ -93,13 +96,21 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     prov = env.provenance(builds, opts.argv, gpu)
     fp = compare_fingerprint(opts, plan, dict(prov.binaries))
     notes = list(plan.notes)
+    if opts.threads is None:
+        # fingerprinted as the default (so that a resumed run matches); each record's tool output names the count
+        threads, why = env.default_threads()
+        opts = replace(opts, threads=threads)
+        threads_note = f"threads: {threads} per run, no more than the machine has free ({why}); --threads N to choose"
+    else:
+        threads_note = f"threads: {opts.threads} per run (--threads)"
+    notes.append(threads_note)
     if gpu == "none" and plan.ram is None:
         notes.append(NO_GPU_NOTE)
     if announce is not None:
         announce([*plan_lines(plan), *notes])
 
     results = ResultsFile(opts.out / "results.jsonl")
-    meta = {"command": "compare", "options": options_json(opts, COMPARE_OPTION_KEYS)}
+    meta = {"command": "compare", "options": options_json(opts, COMPARE_OPTION_KEYS), "threads_note": threads_note}
     if limit is not None:
         with env.memory_cgroup(limit) as cgroup:
             outcome = execute_runs(plan_runs(opts, plan, cgroup), runner, builds, prov, fp, results, progress,
@@ -157,6 +168,8 @@ def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
     prov = meta["provenance"]
     gpu = str(prov.get("gpu", "none"))
     notes = list(plan.notes)
+    if meta.get("threads_note"):
+        notes.append(str(meta["threads_note"]))
     if gpu == "none" and plan.ram is None:
         notes.append(NO_GPU_NOTE)
     runs = [r for r in results.read() if r.get("kind") == "bench"]
@@ -201,8 +214,6 @@ def compare(opts: CompareOptions, progress: Progress = no_progress, *, runner: R
             env: Environment | None = None, announce: Announce | None = None) -> CompareResult:
     """`harness compare`: read the model, run (or resume) the comparison, write report.md next to
     results.jsonl. `opts.model` and `opts.text` may be None for the defaults."""
-    from dataclasses import replace
-
     from harness.parsers.gguf_model import read_model_info
     from harness.report.markdown import render_compare_markdown
     from harness.tools.runners import ToolRunner

@@ -53,6 +53,12 @@ class Environment:
     def host_available_bytes(self) -> int:
         return int(psutil.virtual_memory().available)
 
+    def default_threads(self) -> tuple[int, str]:
+        """Threads for runs without --threads (no oversubscription), and how they were found."""
+        from harness.tools.runners import default_threads
+
+        return default_threads()
+
     def read_bytes(self, path: Path) -> bytes:
         return path.read_bytes()
 

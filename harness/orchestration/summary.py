@@ -14,7 +14,7 @@ from harness.domain.plan import ComparePlan
 from harness.domain.results import BudgetCheck, BudgetVerdict, EstimateRow, QualityRow, SpeedRow
 from harness.parsers.cache_stats import CacheStats
 from harness.parsers.nll_dump import NllDump
-from harness.stats.intervals import mean_ci, paired_delta_ppl, ratio_ci, spread_warnings
+from harness.stats.intervals import mean_ci, paired_delta_ppl, ratio_ci, spread_warnings, unstable_reason
 
 
 def verify_budget(measured: Iterable[tuple[str, str, float | None, str]], budget_bytes: int, has_gpu: bool,
@@ -118,6 +118,7 @@ def summarize_speed(records: Sequence[dict[str, Any]], configs: Sequence[str], *
     rows: list[SpeedRow] = []
     for test in tests:
         stock = samples.get((STOCK, test))
+        stock_ci = mean_ci(stock) if stock else None
         for config in configs:
             xs = samples.get((config, test))
             if not xs:
@@ -126,7 +127,14 @@ def summarize_speed(records: Sequence[dict[str, Any]], configs: Sequence[str], *
             vs = None
             if config != STOCK and stock:
                 vs = ratio_ci(xs, stock, n_boot=n_boot, seed=seed)
-            rows.append(SpeedRow(config, test, ci, vs, spread_warnings(ci, f"{config} {test}")))
+            why = unstable_reason(ci, stock_ci if config != STOCK else None, vs, what=f"{config}'s {test} runs",
+                                  base_what=f"stock's {test} runs")
+            warnings = spread_warnings(ci, f"{config} {test}")
+            if why:
+                warnings += (f"{config} {test}: UNSTABLE, {'no ratio to stock reported' if vs else 'not a result'}: "
+                             f"{why}; the machine was busy or its speed changed during the runs - rerun on an idle "
+                             "machine (fewer --threads, more --runs)",)
+            rows.append(SpeedRow(config, test, ci, vs, warnings, why))
     return tuple(rows)
 
 

@@ -25,6 +25,7 @@ __all__ = [
 TRACE_MAGIC = b"MOETRACE"
 TRACE_VERSION = 1
 TRACE_HEADER_SIZE = 64
+MAX_EXPERTS = 1 << 16  # far above any model's experts per layer (llama.cpp: LLAMA_MAX_EXPERTS)
 
 ACTION_HIT = 0
 ACTION_FETCH = 1
@@ -55,6 +56,16 @@ def trace_dtype(k: int, top_m: int) -> np.dtype[np.void]:
     return np.dtype(fields)  # packed, little-endian
 
 
+def _check_shape(path: str | Path, n_layer: int, n_expert: int, k: int, top_m: int, rsize: int) -> None:
+    """A header whose shape cannot be a trace's (a damaged file): one line, before any record layout is built."""
+    if not (n_layer >= 1 and 1 <= k <= n_expert <= MAX_EXPERTS and top_m <= n_expert):
+        raise HarnessError(f"{path}: damaged trace header (n_layer={n_layer}, n_expert={n_expert}, k={k}, "
+                           f"top_m={top_m}; expected 1 <= k <= n_expert <= {MAX_EXPERTS}, top_m <= n_expert)")
+    want = 8 + 12 * k + (k + 3) // 4 * 4 + 8 * top_m
+    if rsize != want:
+        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m} ({want})")
+
+
 def read_expert_trace(path: str | Path) -> ExpertTrace:
     data = Path(path).read_bytes()
     if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
@@ -63,14 +74,32 @@ def read_expert_trace(path: str | Path) -> ExpertTrace:
     if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
         raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
                            f"{TRACE_VERSION}")
+    _check_shape(path, n_layer, n_expert, k, top_m, rsize)
     dt = trace_dtype(k, top_m)
-    if dt.itemsize != rsize:
-        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m} ({dt.itemsize})")
     body = len(data) - hsize
     if body % rsize:
         raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
     records = np.frombuffer(data, dtype=dt, offset=hsize)
+    _check_records(path, records, n_layer, n_expert, top_m)
     return ExpertTrace(version, n_layer, n_expert, k, top_m, n_slots, records)
+
+
+def _check_records(path: str | Path, rec: npt.NDArray[np.void], n_layer: int, n_expert: int, top_m: int) -> None:
+    """The checks llama-moe-sim makes (src/tools/moe-sim): layers and expert ids in range, finite gate weights
+    (>= 0) and router scores; the first bad record is named."""
+    checks: list[tuple[npt.NDArray[np.bool_], str]] = [
+        (rec["layer"] >= n_layer, f"a layer >= n_layer {n_layer}"),
+        (np.any((rec["ids"] < 0) | (rec["ids"] >= n_expert), axis=1), f"an expert id outside [0, {n_expert})"),
+        (np.any(~np.isfinite(rec["weights"]) | (rec["weights"] < 0), axis=1), "a gate weight not finite or < 0"),
+    ]
+    if top_m:
+        checks += [(np.any((rec["top_ids"] < 0) | (rec["top_ids"] >= n_expert), axis=1),
+                    f"a top expert id outside [0, {n_expert})"),
+                   (np.any(~np.isfinite(rec["top_score"]), axis=1), "a router score that is not finite")]
+    for bad, what in checks:
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise HarnessError(f"{path}: damaged trace: record {i} has {what}")
 
 
 @dataclass(frozen=True)
@@ -106,8 +135,7 @@ def read_trace_header(path: str | Path) -> TraceHeader:
     if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
         raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
                            f"{TRACE_VERSION}")
-    if k == 0 or rsize != trace_dtype(k, top_m).itemsize:
-        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m}")
+    _check_shape(path, n_layer, n_expert, k, top_m, rsize)
     body = size - TRACE_HEADER_SIZE
     if body % rsize:
         raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")

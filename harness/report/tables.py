@@ -104,7 +104,9 @@ def speed_cells(r: SpeedRow) -> tuple[str, str, str, str]:
     mean = num(ci.mean)
     pm = f"± {num(ci.half_width)}" if math.isfinite(ci.half_width) else "(n=1, no CI)"
     vs = "-"
-    if r.vs_stock is not None:
+    if r.unstable:
+        vs = "UNSTABLE (see warnings)"  # a ratio the runs cannot support is not printed as a result
+    elif r.vs_stock is not None:
         vs = f"{r.vs_stock.ratio:.2f}x"
         if math.isfinite(r.vs_stock.low):
             vs += f" [{r.vs_stock.low:.2f}, {r.vs_stock.high:.2f}]"

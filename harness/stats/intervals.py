@@ -18,6 +18,8 @@ from harness.core.errors import HarnessError
 
 CV_WARN = 0.10  # pyperf warns when the standard deviation exceeds 10% of the mean
 MIN_SAMPLES = 5  # fewer repetitions than this: the t interval is wide and the CV itself unreliable
+UNSTABLE_CV = 0.25  # a configuration whose runs vary more than this is not measured: its ratio is not a result
+UNSTABLE_RATIO_WIDTH = 0.5  # nor a ratio whose 95% CI is wider than half the ratio
 
 
 def _level_label(level: float) -> str:
@@ -233,3 +235,21 @@ def ratio_ci(a: Sequence[float] | npt.NDArray[np.float64], b: Sequence[float] | 
     alpha = (1 - level) / 2
     lo, hi = np.quantile(bx / by, [alpha, 1 - alpha])
     return RatioCI(ratio, float(lo), float(hi), int(x.size), int(y.size), level)
+
+
+def unstable_reason(x: MeanCI, base: MeanCI | None = None, ratio: RatioCI | None = None, *, what: str = "the runs",
+                    base_what: str = "the baseline's runs", cv_max: float = UNSTABLE_CV,
+                    width_max: float = UNSTABLE_RATIO_WIDTH) -> str:
+    """Why a measurement (and its ratio to a baseline) is too unstable to be reported as a result, or "" when it is
+    not: its own runs or the baseline's vary by more than `cv_max` of their mean (coefficient of variation), or the
+    ratio's CI is wider than `width_max` of the ratio. Undefined spreads (one sample) are not judged here."""
+    reasons: list[str] = []
+    for ci, name in ((x, what), (base, base_what)):
+        if ci is not None and not math.isnan(ci.cv) and ci.cv > cv_max:
+            reasons.append(f"{name} vary by {ci.cv * 100:.0f}% of their mean (CV; at most {cv_max * 100:.0f}%)")
+    if ratio is not None and math.isfinite(ratio.low) and ratio.ratio > 0:
+        width = (ratio.high - ratio.low) / ratio.ratio
+        if width > width_max:
+            reasons.append(f"the ratio's {ratio.kind} [{ratio.low:.2f}, {ratio.high:.2f}] is {width * 100:.0f}% of "
+                           f"the ratio wide (at most {width_max * 100:.0f}%)")
+    return "; ".join(reasons)

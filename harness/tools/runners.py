@@ -117,6 +117,20 @@ def gpu_name() -> str:
     return names[0] if out.returncode == 0 and names else "none"
 
 
+def threads_without_oversubscription(n_cpus: int, load: float) -> int:
+    """Threads a run can use without oversubscribing the machine: the CPUs this process may run on less the
+    ones already busy (the 1-minute load average, rounded), at least 1."""
+    return max(1, n_cpus - round(max(load, 0.0)))
+
+
+def default_threads() -> tuple[int, str]:
+    """threads_without_oversubscription() of this machine now, and how it was found (for the user)."""
+    n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    n = threads_without_oversubscription(n_cpus, load)
+    return n, f"{n_cpus} CPUs available to this process, 1-minute load average {load:.1f}"
+
+
 def _gpu_used_mib(exe: str) -> float | None:
     try:
         out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],

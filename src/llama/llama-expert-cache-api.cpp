@@ -98,9 +98,13 @@ int32_t llama_expert_cache_props(const llama_context * ctx, char * buf, size_t s
     if (!llama_expert_cache_counters_get(ctx, &c)) {
         return text_out(std::string(), buf, size);
     }
+    const llama_expert_cache_config & cfg = ctx->get_moe_cache()->cfg;
     std::string s;
-    text_printf(s, "{\"mode\": \"%s\", \"n_slots\": %d, \"n_expert\": %d, \"group_max\": %d, \"bank_bytes\": %llu, \"async\": %s}",
-            c.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE ? "engine" : "emulate", c.n_slots, c.n_expert, c.group_max,
-            (unsigned long long) c.bank_bytes, c.async ? "true" : "false");
+    text_printf(s, "{\"mode\": \"%s\", \"policy\": \"%s\", \"rule\": \"%s\", \"tau\": %.6g, \"evict\": \"%s\", "
+            "\"admit\": %s, \"host\": \"%s\", ", c.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE ? "engine" : "emulate",
+            cfg.preset.c_str(), llama_expert_miss_rule_name(cfg.rule), cfg.tau, llama_expert_evict_name(cfg.evict),
+            cfg.admit ? "true" : "false", cfg.host_file ? "file" : "ram");
+    text_printf(s, "\"n_slots\": %d, \"n_expert\": %d, \"group_max\": %d, \"bank_bytes\": %llu, \"async\": %s}",
+            c.n_slots, c.n_expert, c.group_max, (unsigned long long) c.bank_bytes, c.async ? "true" : "false");
     return text_out(s, buf, size);
 }

@@ -10,6 +10,7 @@
 #include "ggml.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -23,11 +24,31 @@
 // construction
 //
 
+static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
+        const char * spec);
+
 std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory) {
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
         return nullptr;
     }
+    if (model.hparams.no_alloc) {
+        // a memory-fitting dry run (llama.cpp's -fit probe, followed by the real context): it plans with the cache's
+        // memory when the cache can be made; otherwise without it, silently, so that an error is reported once, by
+        // the real context, whose outcome alone counts (the probe loads without mmap and may count the weights
+        // differently: it must not refuse a budget that the real context accepts, nor the reverse)
+        try {
+            return expert_cache_create(model, memory, spec);
+        } catch (const std::exception & e) {
+            LLAMA_LOG_DEBUG("%s: the memory-fitting probe plans without the expert cache: %s\n", __func__, e.what());
+            return nullptr;
+        }
+    }
+    return expert_cache_create(model, memory, spec);
+}
+
+static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
+        const char * spec) {
     llama_expert_cache_config cfg;
     std::string err;
     if (!llama_expert_cache_config_parse(spec, cfg, err)) {
@@ -210,16 +231,43 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     }
 }
 
+// A statistics, profile or trace file that could not be written at the end of a run (the cache is destroyed with the
+// context, after the tool's last word): one line on stderr (the tool's log may be silenced or already drained, as in
+// llama-bench), and the process exits with status 1 instead of 0. The exit handler is registered when libllama is
+// loaded, before any tool registers its own (common's log drain), so that it runs last, after them.
+static std::atomic<bool> g_expert_cache_write_failed{false};
+
+static void expert_cache_exit_handler() {
+    if (g_expert_cache_write_failed.load()) {
+        fflush(nullptr);
+        _exit(EXIT_FAILURE);
+    }
+}
+
+__attribute__((constructor)) static void expert_cache_register_exit_handler() {
+    atexit(expert_cache_exit_handler);
+}
+
+static void expert_cache_write_failed(const std::string & spec, const char * key, const std::string & path, int err,
+        const char * what) {
+    fprintf(stderr, "%s='%s': %s=%s: %s could not be written at the end of the run (%s); the process will exit with "
+        "status 1: free space or give another path\n", LLAMA_EXPERT_CACHE_ENV, spec.c_str(), key, path.c_str(), what,
+        err ? strerror(err) : "write error");
+    fflush(stderr);
+    g_expert_cache_write_failed = true;
+}
+
 llama_expert_cache::~llama_expert_cache() {
     if (dry_run) {
         return;
     }
     print_stats();
     if (!cfg.stats.empty()) {
+        errno = 0;
         if (write_stats(cfg.stats)) {
             LLAMA_LOG_INFO("%s: statistics written to %s\n", __func__, cfg.stats.c_str());
         } else {
-            LLAMA_LOG_ERROR("%s: could not write statistics to %s\n", __func__, cfg.stats.c_str());
+            expert_cache_write_failed(cfg.spec, "stats", cfg.stats, errno, "the statistics");
         }
     }
     if (!cfg.profile_out.empty()) {
@@ -231,12 +279,17 @@ llama_expert_cache::~llama_expert_cache() {
                 ids.push_back(L->il);
             }
         }
+        errno = 0;
         if (!llama_expert_profile_write(cfg.profile_out, ps, ids)) {
-            LLAMA_LOG_ERROR("%s: could not write the profile %s\n", __func__, cfg.profile_out.c_str());
+            expert_cache_write_failed(cfg.spec, "profile_out", cfg.profile_out, errno, "the profile");
         }
     }
     if (trace) {
-        fclose(trace);
+        errno = 0;
+        const bool ok = !ferror(trace);
+        if (fclose(trace) != 0 || !ok) {
+            expert_cache_write_failed(cfg.spec, "trace", cfg.trace, errno, "the router trace");
+        }
         trace = nullptr;
     }
 }
@@ -955,5 +1008,6 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
         first = false;
     }
     fprintf(f, "\n  ]\n}\n");
-    return fclose(f) == 0;
+    const bool ok = !ferror(f);
+    return fclose(f) == 0 && ok;
 }

@@ -1203,7 +1203,8 @@ bool llama_expert_profile_write(const std::string & path, const std::vector<cons
         }
         std::fprintf(f, "\n");
     }
-    return std::fclose(f) == 0;
+    const bool ok = !std::ferror(f);
+    return std::fclose(f) == 0 && ok;
 }
 
 //

@@ -144,6 +144,7 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
     tr.layer_records.assign(tr.n_layer, 0);
     const int32_t E = (int32_t) tr.n_expert;
     std::vector<int32_t> ids(tr.k), top(tr.top_m);
+    std::vector<float> w(tr.k), w_top(tr.top_m);
     for (size_t i = 0; i < tr.n_records; ++i) {
         const uint8_t * rec = tr.record(i);
         uint32_t head[2];
@@ -174,6 +175,19 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
         for (int32_t e : top) {
             if (e < 0 || e >= E) {
                 return moe_sim_fail(err, where + " has top expert " + std::to_string(e) + " (n_expert " + std::to_string(E) + ")");
+            }
+        }
+        // gate weights and router scores decide the replay: a damaged value would silently change every decision
+        std::memcpy(w.data(), rec + tr.off_weights(), 4*tr.k);
+        for (float x : w) {
+            if (!std::isfinite(x) || x < 0.0f) {
+                return moe_sim_fail(err, where + " has gate weight " + std::to_string(x) + " (finite and >= 0 expected)");
+            }
+        }
+        std::memcpy(w_top.data(), rec + tr.off_top_score(), 4*tr.top_m);
+        for (float x : w_top) {
+            if (!std::isfinite(x)) {
+                return moe_sim_fail(err, where + " has router score " + std::to_string(x) + " (finite expected)");
             }
         }
     }
