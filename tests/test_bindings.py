@@ -5,9 +5,9 @@ patched build by LLAMA_CPP_LIB_PATH (harness.tools.bindings). With the same LLAM
 greedy sampling, `llama_cpp.Llama` generates llama-cli's text, and the counters it reads through
 `llama_expert_cache_metrics()` (harness.tools.bindings.cache_metrics: llama-server's /metrics rows) equal the
 ones llama-cli's stats file records. llama-cli applies a chat template: a template that renders the message
-as it is makes its prompt the raw text that `Llama.create_completion` gets; and llama-cli (llama-server's context)
-decodes two tokens of id 0 before the prompt, to probe the memory (common_context_can_seq_rm), which the cache
-counts and which moves its residency: the Python side makes the same decode first.
+as it is makes its prompt the raw text that `Llama.create_completion` gets. llama-cli (llama-server's context)
+decodes two tokens of id 0 before the prompt, to probe the memory (common_context_can_seq_rm); patch 0007 restarts
+the cache after it (llama_perf_context_reset), so both sides start from the configured residency with zero counters.
 
 Skipped, with the reason, when llama_cpp is not installed in the interpreter that runs the tests.
 """
@@ -33,7 +33,7 @@ N_PREDICT = 24
 SEED = 7
 RAW_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
-# the Python side: llama-cli's probe decode, greedy completion, the counters through the harness API
+# the Python side: greedy completion, the counters through the harness API
 SCRIPT = """
 import json, sys
 import llama_cpp
@@ -42,9 +42,6 @@ from harness.tools.bindings import cache_metrics, cache_props
 
 model, prompt, n, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 llm = Llama(model_path=model, n_ctx=512, n_threads=2, seed=seed, verbose=False)
-toks = (llama_cpp.llama_token * 2)(0, 0)  # common_context_can_seq_rm's probe
-assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(toks, 2)) == 0
-llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
 r = llm.create_completion(prompt, temperature=0.0, max_tokens=n, seed=seed)
 m = cache_metrics(llm)
 print(json.dumps({"lib": str(llama_cpp.llama_cpp._lib._name), "text": r["choices"][0]["text"],
