@@ -207,10 +207,11 @@ def test_leading_dense_layer(layout_text: Path, tmp_path: Path, stock_build: Bui
 @pytest.mark.parametrize("arch", LAYOUTS)
 def test_layout_q4_k_m(arch: str, layout_text: Path, tmp_path: Path, stock_build: Build,
                        layout_build: Build) -> None:
-    """Each new layout at Q4_K_M (llama-quantize of the pin; rows 256 wide, types mixed per tensor): engine
-    fetch-all is stock bit for bit (ubatch 1, -nr on both sides: repacked kernels sum in another order), and the
-    engine takes emulate's decisions under the quality preset, which never substitutes a first choice or a weight
-    >= tau (with k = 4 most weights are >= 0.15: some layouts substitute nothing)."""
+    """Each new layout at Q4_K_M (llama-quantize of the pin; rows 256 wide, types mixed per tensor): cache off,
+    emulate fetch-all and engine fetch-all are stock bit for bit (ubatch 1, -nr on both sides: repacked kernels
+    sum in another order), and the engine takes emulate's decisions under the quality preset, which never
+    substitutes a first choice or a weight >= tau (with k = 4 most weights are >= 0.15: some layouts substitute
+    nothing)."""
     from harness.core.errors import HarnessError
     from harness.tools.quantize import find_quantize, write_kquant_model
 
@@ -225,13 +226,16 @@ def test_layout_q4_k_m(arch: str, layout_text: Path, tmp_path: Path, stock_build
     stock = run_ppl(stock_build, model, layout_text, tmp_path / "stock", ubatch=1, nll=False, extra=nr)
     fa = run_ppl(layout_build, model, layout_text, tmp_path / "fa", "mode=engine,policy=fetch-all,slots=8", ubatch=1,
                  nll=False, extra=nr)
+    off = run_ppl(layout_build, model, layout_text, tmp_path / "off", ubatch=1, nll=False, extra=nr)
+    emu_fa = run_ppl(layout_build, model, layout_text, tmp_path / "emu-fa", "mode=emulate,policy=fetch-all,slots=8",
+                     ubatch=1, nll=False, extra=nr)
     emu = run_ppl(layout_build, model, layout_text, tmp_path / "emu", "mode=emulate,policy=quality,slots=8", ubatch=1,
                   extra=nr)
     eng = run_ppl(layout_build, model, layout_text, tmp_path / "eng", "mode=engine,policy=quality,slots=8", ubatch=1,
                   extra=nr)
-    for r in (stock, fa, emu, eng):
+    for r in (stock, fa, off, emu_fa, emu, eng):
         check_ok(r)
-    assert fa.logits == stock.logits
+    assert fa.logits == stock.logits and off.logits == stock.logits and emu_fa.logits == stock.logits
     assert emu.stats is not None and eng.stats is not None and fa.stats is not None
     assert fa.stats["engine"]["copied_experts"] > 0
     same_decisions(emu.stats, eng.stats)
