@@ -125,6 +125,35 @@ static std::string shown(const std::string & s) {
     return o;
 }
 
+// a residency: a count of experts per layer (>= 1), or a percentage in (0, 100] ("25%"); sets the one given and
+// clears the other (count -1: the percentage applies)
+static bool parse_residency(const std::string & val, int32_t & count, float & pct) {
+    if (!val.empty() && val.back() == '%') {
+        float v;
+        if (!parse_float(val.substr(0, val.size() - 1), v) || v <= 0.0f || v > 100.0f) {
+            return false;
+        }
+        pct   = v;
+        count = -1;
+        return true;
+    }
+    uint64_t v;
+    if (!parse_uint(val, v) || v == 0 || v > INT32_MAX) {
+        return false;
+    }
+    count = (int32_t) v;
+    return true;
+}
+
+// the experts per layer of a residency parsed by parse_residency (a percentage: rounded, at least 1)
+static int32_t residency_n(int32_t count, float pct, int32_t n_expert) {
+    if (count >= 0) {
+        return count;
+    }
+    const int32_t n = (int32_t) std::lround((double) n_expert * pct / 100.0);
+    return std::max<int32_t>(1, std::min(n, n_expert));
+}
+
 static bool bad_value(std::string & err, const std::string & key, const std::string & val, const char * accepted) {
     err = "bad value '" + shown(val) + "' for key '" + shown(key) + "' (accepted: " + accepted + ")";
     return false;
@@ -338,35 +367,12 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 return bad_value(err, key, val, "a number of tokens, 0 for never");
             }
             cfg.lfu_halve = (uint32_t) v;
-        } else if (key == "ram_slots") {
-            // the RAM tier's residency (three tiers: slots <- RAM tier <- model file)
-            if (!val.empty() && val.back() == '%') {
-                float v;
-                if (!parse_float(val.substr(0, val.size() - 1), v) || v <= 0.0f || v > 100.0f) {
-                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 50%");
-                }
-                cfg.ram_slots_pct = v;
-            } else {
-                uint64_t v;
-                if (!parse_uint(val, v) || v == 0 || v > INT32_MAX) {
-                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 50%");
-                }
-                cfg.ram_slots_count = (int32_t) v;
-            }
-        } else if (key == "slots") {
-            if (!val.empty() && val.back() == '%') {
-                float v;
-                if (!parse_float(val.substr(0, val.size() - 1), v) || v <= 0.0f || v > 100.0f) {
-                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 25%");
-                }
-                cfg.slots_pct   = v;
-                cfg.slots_count = -1;
-            } else {
-                uint64_t v;
-                if (!parse_uint(val, v) || v == 0 || v > INT32_MAX) {
-                    return bad_value(err, key, val, "a count of experts per layer, or a percentage in (0, 100] such as 25%");
-                }
-                cfg.slots_count = (int32_t) v;
+        } else if (key == "slots" || key == "ram_slots") {
+            // the slots' residency, or (ram_slots) the RAM tier's (three tiers: slots <- RAM tier <- model file)
+            const bool ram = key == "ram_slots";
+            if (!parse_residency(val, ram ? cfg.ram_slots_count : cfg.slots_count, ram ? cfg.ram_slots_pct : cfg.slots_pct)) {
+                return bad_value(err, key, val, ram ? "a count of experts per layer, or a percentage in (0, 100] such as 50%"
+                                                    : "a count of experts per layer, or a percentage in (0, 100] such as 25%");
             }
         } else if (key == "ram") {
             uint64_t v;
@@ -579,25 +585,14 @@ bool llama_expert_cache_config_scales_weights(const llama_expert_cache_config & 
 }
 
 int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
-    if (!cfg.host_file) {
+    if (!cfg.host_file || (cfg.ram_slots_count < 0 && !(cfg.ram_slots_pct > 0.0f))) {
         return 0;
     }
-    if (cfg.ram_slots_count >= 0) {
-        return cfg.ram_slots_count;
-    }
-    if (cfg.ram_slots_pct > 0.0f) {
-        const int32_t n = (int32_t) std::lround((double) n_expert * cfg.ram_slots_pct / 100.0);
-        return std::max<int32_t>(1, std::min(n, n_expert));
-    }
-    return 0;
+    return residency_n(cfg.ram_slots_count, cfg.ram_slots_pct, n_expert);
 }
 
 int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
-    if (cfg.slots_count >= 0) {
-        return cfg.slots_count;
-    }
-    const int32_t n = (int32_t) std::lround((double) n_expert * cfg.slots_pct / 100.0);
-    return std::max<int32_t>(1, std::min(n, n_expert));
+    return residency_n(cfg.slots_count, cfg.slots_pct, n_expert);
 }
 
 //
