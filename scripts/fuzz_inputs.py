@@ -281,6 +281,40 @@ def perplexity_target(bin_dir: Path, text: Path) -> Callable[[Path, float], tupl
     return run
 
 
+COMPARE_TIME_FACTOR = 4  # a compare of an accepted model runs six tools (~3 s): more time than the other targets
+
+
+def compare_target(text: Path, work: Path) -> Callable[[Path, float], tuple[str, str]]:
+    """`harness compare --model` in a subprocess: rejected with one clear error (the harness's GGUF reader, or a
+    tool's load error it reports), or accepted; a Python traceback, a tool's crash (a signal, an assert) or a
+    message-less exit is the finding."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    runs = iter(range(10**9))
+
+    def run(path: Path, timeout: float) -> tuple[str, str]:
+        out_dir = work / f"compare-{next(runs)}"
+        argv = [sys.executable, "-c", "import sys; from harness.cli.app import main; sys.exit(main(sys.argv[1:]))",
+                "compare", "--model", str(path), "--text", str(text), "--out", str(out_dir), "--policies", "quality",
+                "--runs", "1", "--ctx", "32", "--chunks", "1", "--n-prompt", "8", "--n-gen", "4", "--threads", "1"]
+        try:
+            r = subprocess.run(argv, env=env, capture_output=True, text=True, errors="replace", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "hang", f"more than {timeout:.0f} s"
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        out = r.stdout + r.stderr
+        tail = "\n".join(out.strip().splitlines()[-6:])
+        if r.returncode < 0 or "Traceback" in out or "killed by signal" in out or any(m in out for m in CRASH_MARKS):
+            return "crash", tail
+        if r.returncode == 0:
+            return "accepted", ""
+        first = next((ln for ln in r.stderr.splitlines() if ln.strip()), "")
+        return ("clear", first[-300:]) if first else ("unclear", tail)
+
+    return run
+
+
 def moe_sim_target(bin_dir: Path, info: bool) -> Callable[[Path, float], tuple[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
 
@@ -296,13 +330,16 @@ def moe_sim_target(bin_dir: Path, info: bool) -> Callable[[Path, float], tuple[s
 
 def fuzz(cases: list[Case], targets: dict[str, Callable[[Path, float], tuple[str, str]]], work: Path, keep: Path | None,
          max_cases: int, time_limit: float, case_timeout: float, log: Callable[[str], None],
-         verbose: bool = False) -> dict[str, Tally]:
+         verbose: bool = False, only: tuple[str, ...] = ()) -> dict[str, Tally]:
     tallies: dict[str, Tally] = {}
     for tname, target in targets.items():
+        if only and not any(w in tname for w in only):
+            continue
         tally = tallies.setdefault(tname, Tally())
         t0 = time.monotonic()
+        limit = time_limit * (COMPARE_TIME_FACTOR if tname.startswith("harness compare") else 1)
         for i, case in enumerate(cases[:max_cases]):
-            if i > 0 and time.monotonic() - t0 > time_limit:
+            if i > 0 and time.monotonic() - t0 > limit:
                 break
             path = work / f"case-{case.kind}-{i}.bin"
             path.write_bytes(case.data)
@@ -332,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, help="seconds per target at most (default: 600; --quick: 5)")
     ap.add_argument("--case-timeout", type=float, default=20.0, help="seconds per case (default: %(default)s)")
     ap.add_argument("--flips", type=int, help="bit flips per region (default: 64; --quick: 8)")
+    ap.add_argument("--targets", help="only the targets whose name contains one of these comma-separated words")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bin", type=Path, help="the patched build's bin folder (default: build/builds.json's)")
     ap.add_argument("--keep", type=Path, help="keep the inputs of findings here")
@@ -343,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     n_flips = args.flips or (8 if args.quick else 64)
     rng = random.Random(args.seed)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    only = tuple(w.strip() for w in (args.targets or "").split(",") if w.strip())
     bin_dir = args.bin
     if bin_dir is None:
         from harness.core.project import get_build
@@ -354,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def have(tool: str) -> bool:
         return bin_dir is not None and (bin_dir / tool).is_file()
+
+    def have_stock() -> bool:
+        from harness.core.project import get_build
+
+        try:
+            get_build("stock")
+        except HarnessError:
+            print("fuzz_inputs: no stock build: `harness compare --model` is not fuzzed", file=sys.stderr)
+            return False
+        return True
 
     # imported once here, so that every forked case starts warm
     import gguf  # noqa: F401
@@ -378,11 +427,13 @@ def main(argv: list[str] | None = None) -> int:
             if have("llama-perplexity"):
                 assert bin_dir is not None
                 targets["llama-perplexity (cache on)"] = perplexity_target(bin_dir, text)
+                if have_stock():
+                    targets["harness compare --model"] = compare_target(text, work)
             cases = gguf_cases(model, rng, n_flips)
             rng.shuffle(cases)  # a bounded run samples every kind of damage
             cases.insert(0, Case("gguf", "model (undamaged)", model.read_bytes()))
             results["gguf"] = fuzz(cases, targets, work, args.keep, max_cases, time_limit, args.case_timeout, print,
-                                     args.verbose)
+                                     args.verbose, only)
         if "trace" in kinds:
             from harness.parsers.trace import synthetic_trace, write_expert_trace
 
@@ -397,14 +448,14 @@ def main(argv: list[str] | None = None) -> int:
             rng.shuffle(cases)
             cases.insert(0, Case("trace", "trace (undamaged)", trace.read_bytes()))
             results["trace"] = fuzz(cases, targets, work, args.keep, max_cases, time_limit, args.case_timeout, print,
-                                     args.verbose)
+                                     args.verbose, only)
         if "nll" in kinds:
             cases = nll_cases(rng, n_flips)
             rng.shuffle(cases)
             cases.insert(0, Case("nll", "nll dump (undamaged)", nll_bytes(16, 4, 3, rng)))
             results["nll"] = fuzz(cases, {"read_nll_dump_file + paired delta": lambda p, t: _in_child(read_nll, p, t)},
                                   work, args.keep, max_cases, time_limit, args.case_timeout, print,
-                                     args.verbose)
+                                     args.verbose, only)
 
     n_findings = 0
     print(f"{'input':6} {'target':36} {'cases':>5}  outcomes")

@@ -1,6 +1,7 @@
 """scripts/fuzz_inputs.py, the bounded version (issue 15): damaged GGUF models, router traces and NLL dumps through
-`harness info`, the patched llama-perplexity with the cache on, llama-moe-sim and the harness readers give a clear
-error each time, never a crash, a traceback or a hang; the undamaged inputs pass (the control case)."""
+`harness info`, `harness compare --model`, the patched llama-perplexity with the cache on, llama-moe-sim and the
+harness readers give a clear error each time, never a crash, a traceback or a hang; the undamaged inputs pass (the
+control case)."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ def _run(tmp_path: Path, *extra: str) -> tuple[int, str, dict[str, Any]]:
 
 
 @pytest.mark.build
-def test_fuzz_inputs_quick(tmp_path: Path, patched_build: Build) -> None:
+def test_fuzz_inputs_quick(tmp_path: Path, stock_build: Build, patched_build: Build) -> None:
     rc, out, tallies = _run(tmp_path, "--bin", str(patched_build.bin_dir))
     assert rc == 0 and "0 findings" in out, out[-4000:]
     targets = {t for kind in tallies.values() for t in kind}
-    assert {"harness info", "llama-perplexity (cache on)", "read_expert_trace", "llama-moe-sim",
-            "read_nll_dump_file + paired delta"} <= targets, targets
+    assert {"harness info", "llama-perplexity (cache on)", "harness compare --model", "read_expert_trace",
+            "llama-moe-sim", "read_nll_dump_file + paired delta"} <= targets, targets
     for kind in tallies.values():
         for name, t in kind.items():
-            assert t["cases"] >= 10 and t["outcomes"].get("accepted", 0) >= 1, (name, t)  # the control case passed
+            least = 4 if name.startswith("harness compare") else 10  # an accepted model's compare runs six tools
+            assert t["cases"] >= least and t["outcomes"].get("accepted", 0) >= 1, (name, t)  # the control passed
             assert t["outcomes"].get("clear", 0) >= 1, (name, t)
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The full sanitizer run (issue 15): the patched tree built with AddressSanitizer + UndefinedBehaviorSanitizer
+# (./build.sh --sanitize: libllama with our C++, common and the tools), then the engine's tests and the input fuzzer
+# against that build. Every sanitizer report fails the run (halt_on_error); the tools' output of every test that
+# failed is in pytest's report. The bounded version CI runs is tests/test_sanitize.py (our policy module alone).
+#
+#   scripts/sanitize.sh                 # build (a cold build takes over an hour on 2 cores), tests, fuzz
+#   scripts/sanitize.sh --no-build      # the tests and the fuzzer against an existing build-cpu-asan
+#   scripts/sanitize.sh -k engine_eq    # extra arguments go to pytest
+#
+# Writes build/sanitize/{pytest.log,fuzz.log,fuzz.json,summary.txt}; exit status 0 only with no report and every
+# test passed.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+build=1
+jobs=${JOBS:-2}
+if [ "${1:-}" = "--no-build" ]; then build=0; shift; fi
+
+bin=vendor/llama.cpp-patched/build-cpu-asan/bin
+out=build/sanitize
+mkdir -p "$out"
+if [ "$build" = 1 ]; then
+    ./build.sh --sanitize --jobs "$jobs" --targets "llama llama-perplexity llama-moe-sim llama-cli llama-server llama-bench"
+fi
+for t in llama-perplexity llama-moe-sim llama-cli llama-server llama-bench; do
+    [ -x "$bin/$t" ] || { echo "sanitize.sh: error: $bin/$t is missing: run without --no-build" >&2; exit 1; }
+done
+
+# detect_leaks: a leak at exit is a report too; abort_on_error=0 so that the tools exit (non-zero) with the report
+export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:abort_on_error=0:detect_stack_use_after_return=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export MOE_SUBST_PATCHED_BIN="$root/$bin"
+
+# The tests that run the patched tools with the cache on (the bindings load a stock-built Python package: skipped)
+set +e
+.venv/bin/python -m pytest -q -ra -p no:cacheprovider tests/test_engine.py tests/test_expert_cache.py \
+    tests/test_layouts.py tests/test_compare_ram.py "$@" > "$out/pytest.log" 2>&1
+rc_tests=$?
+.venv/bin/python scripts/fuzz_inputs.py --bin "$bin" --case-timeout 120 --json "$out/fuzz.json" \
+    --keep "$out/fuzz-findings" > "$out/fuzz.log" 2>&1
+rc_fuzz=$?
+set -e
+
+reports=$(cat "$out/pytest.log" "$out/fuzz.log" | grep -c -E "ERROR: (Address|Leak)Sanitizer|runtime error:" || true)
+{
+    echo "sanitize.sh: $(date -u +%FT%TZ), build $bin"
+    echo "tests: $(tail -1 "$out/pytest.log") (exit $rc_tests)"
+    echo "fuzz: $(tail -1 "$out/fuzz.log") (exit $rc_fuzz)"
+    echo "sanitizer reports in the logs: $reports"
+} | tee "$out/summary.txt"
+[ "$rc_tests" = 0 ] && [ "$rc_fuzz" = 0 ] && [ "$reports" = 0 ]

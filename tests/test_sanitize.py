@@ -1,0 +1,85 @@
+"""The bounded sanitizer run in CI (issue 15): our policy module, which takes every decision of the cache and parses
+every spec, compiled with AddressSanitizer and UndefinedBehaviorSanitizer, runs its unit tests
+(tests/cpp/test_expert_policy.cpp) and a fuzz loop of random and mutated specs (tests/cpp/spec_parse.cpp) without
+a report. The full run (the whole patched tree sanitized, the engine tests against it) is scripts/sanitize.sh.
+
+A planted out-of-bounds read first proves that the sanitizers report here at all: otherwise a clean run would
+mean nothing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.core import project
+
+ROOT = project.project_root()
+SRC = ROOT / "src"
+FLAGS = ["-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+         "-fno-sanitize-recover=all"]
+ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:halt_on_error=1",
+       "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "PATH": "/usr/bin:/bin"}
+
+
+def _cxx() -> str:
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    return cxx
+
+
+def _build(tmp: Path, name: str, *sources: Path) -> Path:
+    exe = tmp / name
+    r = subprocess.run([_cxx(), *FLAGS, f"-I{SRC / 'llama'}", f"-I{SRC / 'include'}", *map(str, sources), "-o",
+                        str(exe)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "sanitize" in r.stderr and "unrecognized" in r.stderr:
+        pytest.skip(f"the compiler has no sanitizers: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+@pytest.fixture(scope="module")
+def policy_obj(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama-expert-policy.cpp compiled once, sanitized, for both programs."""
+    obj = tmp_path_factory.mktemp("asan") / "llama-expert-policy.o"
+    r = subprocess.run([_cxx(), *FLAGS, "-c", f"-I{SRC / 'llama'}", f"-I{SRC / 'include'}",
+                        str(SRC / "llama" / "llama-expert-policy.cpp"), "-o", str(obj)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "sanitize" in r.stderr and "unrecognized" in r.stderr:
+        pytest.skip(f"the compiler has no sanitizers: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return obj
+
+
+def _run(exe: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def _reports(res: subprocess.CompletedProcess[str]) -> bool:
+    out = res.stdout + res.stderr
+    return "ERROR: AddressSanitizer" in out or "runtime error:" in out or "ERROR: LeakSanitizer" in out
+
+
+def test_the_sanitizers_report_a_planted_bug(tmp_path: Path) -> None:
+    src = tmp_path / "planted.cpp"
+    src.write_text("#include <vector>\n#include <cstdio>\nint main(int argc, char **) {\n"
+                   "    std::vector<int> v(4, 1);\n    std::printf(\"%d\\n\", v.data()[3 + argc]);\n}\n")
+    res = _run(_build(tmp_path, "planted", src))
+    assert res.returncode != 0 and _reports(res), res.stdout + res.stderr
+
+
+def test_policy_unit_tests_under_asan_and_ubsan(tmp_path: Path, policy_obj: Path) -> None:
+    exe = _build(tmp_path, "test_expert_policy", ROOT / "tests" / "cpp" / "test_expert_policy.cpp", policy_obj)
+    res = _run(exe)
+    assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
+    assert "all expert policy tests passed" in res.stdout
+
+
+def test_spec_fuzz_under_asan_and_ubsan(tmp_path: Path, policy_obj: Path) -> None:
+    exe = _build(tmp_path, "spec_parse", ROOT / "tests" / "cpp" / "spec_parse.cpp", policy_obj)
+    res = _run(exe, "--fuzz", "20000", "7")
+    assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
+    assert res.stdout.startswith("fuzz: 20000 specs,"), res.stdout
