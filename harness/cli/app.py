@@ -265,15 +265,17 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from harness.report import markdown
 
     opts = StudyOptions(out=options.out_dir(args, "study"), model=args.model, residency=args.residency / 100,
-                        topics=not args.no_topics, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
-                        **options.perplexity_settings(args))
+                        topics=not args.no_topics, composition=not args.no_composition,
+                        generation=not args.no_generation, tokenizer=args.tokenizer, seed=args.seed,
+                        argv=tuple(sys.argv), **options.perplexity_settings(args))
     result = study.study(opts)
     console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
 
 
 def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = sub.add_parser("study", help="re-test the study's findings on a model (compare + sweep + topics), "
+    s = sub.add_parser("study", help="re-test the study's findings on a model (compare, sweep, topics, Experiment B, "
+                       "the generation test), "
                        "with verdicts")
     options.add_model(s)
     options.add_text(s)
@@ -283,6 +285,9 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     options.add_chunks(s, 32)
     options.add_threads(s)
     s.add_argument("--no-topics", action="store_true", help="skip the topic-change part")
+    s.add_argument("--no-composition", action="store_true", help="skip Experiment B (finding 3)")
+    s.add_argument("--no-generation", action="store_true", help="skip the generation test (it needs ./build.sh "
+                   "--bindings)")
     options.add_out(s, "results folder (default: results/study); an existing one is resumed")
     options.add_seed(s)
     s.set_defaults(func=_cmd_study)

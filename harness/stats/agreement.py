@@ -58,7 +58,10 @@ def wilson(k: int, n: int, level: float = 0.95) -> Proportion:
     den = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return Proportion(k, n, max(0.0, centre - half), min(1.0, centre + half), level)
+    # at k = 0 (k = n) the interval's lower (upper) end is exactly 0 (1); rounding would leave 1e-17 off
+    low = 0.0 if k == 0 else max(0.0, centre - half)
+    high = 1.0 if k == n else min(1.0, centre + half)
+    return Proportion(k, n, low, high, level)
 
 
 @dataclass(frozen=True)
