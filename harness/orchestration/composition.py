@@ -59,11 +59,14 @@ def _name(items: tuple[tuple[str, str], ...]) -> str:
     return f"heavy lo={d['lo']}" if "lo" in d else f"light hi={d['hi']}"
 
 
-def _fingerprint(opts: CompositionOptions, model: Path, text: Path, slots: int, binaries: dict[str, str]) -> str:
+def _fingerprint(opts: CompositionOptions, model: Path, text: Path, slots: int, code: str) -> str:
+    """What must not change between a run and its resumption. Portable between checkouts (a results folder made in
+    a worktree resumes in another): the model by name and size, the text by content, the code by the pin and the
+    patch-series hash (patches and src/), not by binaries' hashes (which differ with the build folder's path)."""
     d = {"command": "composition", "model": [model.name, model.stat().st_size],
          "text": [text.name, hashlib.sha256(text.read_bytes()).hexdigest()[:16]], "n_ctx": opts.n_ctx,
          "chunks": opts.chunks, "calib": [opts.calib_offset, opts.calib_chars, opts.calib_chunks], "slots": slots,
-         "evict": opts.evict, "binaries": binaries}
+         "evict": opts.evict, "code": code}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -76,7 +79,7 @@ class _Runs:
         self.progress = progress
         self.builds = env.builds()
         self.prov = env.provenance(self.builds, opts.argv, env.gpu())
-        self.fp = _fingerprint(opts, model, text, slots, dict(self.prov.binaries))
+        self.fp = _fingerprint(opts, model, text, slots, f"{self.prov.pin}/{self.prov.patch_series}")
         self.results = ResultsFile(opts.out / "results.jsonl")
         self.meta = {"command": "composition", "options": {
             "heavy_los": list(opts.heavy_los), "tolerance": opts.tolerance, "residency": opts.residency,
@@ -93,8 +96,8 @@ class _Runs:
         cache = CacheSpec("off") if items is None else CacheSpec("emulate", None, self.slots, stats, items)
         req = settings.perplexity_request(self.model, self.calib if part == "calib" else self.text,
                                           Placement(n_cpu_moe=999), cache=cache,
-                                          nll_dump=self.opts.out / "nll" / f"{part}-{safe_name(name)}.bin",
-                                          label=name)
+                                          nll_dump=None if part == "calib" else  # calibration: the mass only
+                                          self.opts.out / "nll" / f"{part}-{safe_name(name)}.bin", label=name)
         spec = RunSpec(key, "ppl", "patched", f"{part}:{name}", None, ppl=req)
         outcome = execute_runs([spec], self.runner, self.builds, self.prov, self.fp, self.results, self.progress,
                                meta=self.meta)

@@ -44,11 +44,12 @@ def load_prompts(opts: GenerateOptions, root: Path | None = None) -> list[Prompt
     return prompts[:opts.limit] if opts.limit else prompts
 
 
-def _fingerprint(opts: GenerateOptions, model: Path, prompts: list[Prompt], slots: int,
-                 binaries: dict[str, str]) -> str:
+def _fingerprint(opts: GenerateOptions, model: Path, prompts: list[Prompt], slots: int, code: str) -> str:
+    """As harness.orchestration.composition's: portable between checkouts (model by name and size, the code by the
+    pin and the patch-series hash)."""
     d = {"command": "generate", "model": [model.name, model.stat().st_size],
          "prompts": hashlib.sha256(json.dumps([[p.id, p.kind, p.text] for p in prompts]).encode()).hexdigest()[:16],
-         "n_predict": opts.n_predict, "n_ctx": opts.n_ctx, "slots": slots, "binaries": binaries}
+         "n_predict": opts.n_predict, "n_ctx": opts.n_ctx, "slots": slots, "code": code}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -80,7 +81,7 @@ def run_generation(opts: GenerateOptions, info: ModelInfo, *, env: Environment |
     slots = max(info.n_expert_used, min(info.n_expert, round(opts.residency * info.n_expert)))
     builds = env.builds()
     prov = env.provenance(builds, opts.argv, env.gpu())
-    fp = _fingerprint(opts, opts.model, prompts, slots, dict(prov.binaries))
+    fp = _fingerprint(opts, opts.model, prompts, slots, f"{prov.pin}/{prov.patch_series}")
     results = ResultsFile(opts.out / "results.jsonl")
     existing = results.read()
     if {r.get("fingerprint") for r in existing} - {fp}:
