@@ -85,3 +85,13 @@ def test_calibration_text_is_whole_lines_past_the_offset() -> None:
 def test_band_items_render_the_rule() -> None:
     assert dict(band_items(lo=0.3)) == {"rule": "band", "lo": "0.3", "evict": "lfu", "admit": "off"}
     assert dict(band_items(hi=0.0797, evict="lru"))["hi"] == "0.0797"
+
+
+def test_the_study_part_without_a_run() -> None:
+    from harness.orchestration.study_parts import finding3
+    from harness.report.study_parts import study_parts_markdown
+
+    v = finding3(None, "not run (--no-composition)")
+    assert v.held is None and v.finding.startswith("3. ") and v.evidence == "not run (--no-composition)"
+    md = study_parts_markdown(None, "not run (--no-composition)", None, "not run: no llama-cpp-python")
+    assert "## Experiment B" in md and "not run (--no-composition)" in md and "not run: no llama-cpp-python" in md

@@ -59,6 +59,10 @@ def test_wilson_and_bootstrap_intervals() -> None:
     ("The\nThe\nThe", None),
     ("", None),
     ("version v2", None),  # digits inside a word are not a number
+    (" 1.1.1200000000000000000000000000000000000000000", "1.1"),  # "1.12..." follows a number: not one of its own
+    (" 1" + "2" * 60, "1" + "2" * 60),  # any length, no rounding
+    ("0.50 and 007", "7"),
+    ("-0.0", "0"),
 ])
 def test_the_final_number(text: str, want: str | None) -> None:
     assert final_number(text) == want

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 
 from harness.parsers.base import ParseError
 
@@ -15,20 +14,19 @@ _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 def final_number(text: str) -> str | None:
-    """The last number in `text`, normalised (no thousands separators, no trailing zeros: "1,000.50" -> "1000.5",
-    "7.0" -> "7"), or None when it has none. GSM8K's reference answers end with "#### <number>": the same rule
-    reads them."""
+    """The last number in `text`, normalised as text (no thousands separators, no leading zeros, no trailing
+    fractional zeros: "1,000.50" -> "1000.5", "7.0" -> "7", "-0" -> "0"; any length, no rounding), or None when it
+    has none. GSM8K's reference answers end with "#### <number>": the same rule reads them."""
     found = _NUMBER.findall(text)
     if not found:
         return None
     raw = found[-1].replace(",", "")
-    try:
-        d = Decimal(raw)
-    except InvalidOperation:  # pragma: no cover - the pattern only matches numbers
-        return None
-    if d == d.to_integral_value():
-        return str(d.quantize(Decimal(1)))
-    return format(d.normalize(), "f")
+    sign = "-" if raw.startswith("-") else ""
+    whole, _, frac = raw.lstrip("-").partition(".")
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    num = whole + ("." + frac if frac else "")
+    return num if num == "0" else sign + num
 
 
 @dataclass(frozen=True)
