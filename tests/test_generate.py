@@ -169,8 +169,10 @@ def test_dataset_prompts_are_rendered_and_cached(tmp_path: Path, monkeypatch: py
     assert he == [Prompt("HumanEval-0", "humaneval", "def f():\n")]
 
 
-def test_generation_on_the_trained_model(tmp_path: Path) -> None:
-    """2 prompts x 2 policies through the real worker: fetch-all equals the full model token for token."""
+def test_generation_on_the_trained_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 prompts x 2 policies through the real worker: fetch-all equals the full model token for token. The results
+    folder is relative (as `--out eval/...` gives it): the worker, which runs in a folder of its own, still writes
+    the statistics there."""
     from harness.tools.bindings import installed_bindings
 
     if installed_bindings() is None:
@@ -182,7 +184,8 @@ def test_generation_on_the_trained_model(tmp_path: Path) -> None:
     two = [all_prompts[0], next(p for p in all_prompts if p.kind == "humaneval")]
     pf = tmp_path / "two.jsonl"
     datasets.write_prompts(pf, two)
-    opts = GenerateOptions(out=tmp_path / "gen", model=MODEL, prompts=pf, policies=("fetch-all", "substitute-all"),
+    monkeypatch.chdir(tmp_path)
+    opts = GenerateOptions(out=Path("gen"), model=MODEL, prompts=pf, policies=("fetch-all", "substitute-all"),
                            n_predict=16, threads=2)
     opts.out.mkdir()
     res = run_generation(opts, read_model_info(MODEL))

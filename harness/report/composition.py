@@ -27,7 +27,8 @@ def composition_section(result: CompositionResult, heading: str = "##") -> list[
              f"Evaluation: the first {o.chunks} chunks of `{shown(o.text)}` (context {o.n_ctx}), full model PPL "
              f"{result.full_ppl:.4f}; {result.slots} slots per layer, eviction {o.evict}, no admission. Calibration: "
              f"{o.calib_chunks} chunks of the text from character {o.calib_offset} on (calibration.txt). Mass = "
-             "mean substituted gate mass per token-layer.", ""]
+             "mean substituted gate mass per token-layer. The bands sort misses by gate weight only; rank and weight "
+             "are not separated (the heavy band's substitutions are mostly first choices: see the column).", ""]
     for lv in result.levels:
         lines += [f"{heading}# Mass level: heavy band lo={lv.heavy_lo:g}", ""]
         if lv.calib_heavy_mass is not None:

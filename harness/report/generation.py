@@ -4,6 +4,7 @@ model, and mass vs agreement. Pure."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from harness.domain.generation import GenerationResult, KindRow
 from harness.report.tables import md_table, shown
@@ -39,6 +40,12 @@ def generation_section(result: GenerationResult, heading: str = "##") -> list[st
              f"{result.n_prompts.get('gsm8k', 0)}). It measures agreement with the full model, not correctness. "
              "Mass: mean substituted gate mass per token-layer (prompt and generated tokens), averaged over prompts.",
              ""]
+    refs = Counter(o.answer_ref for o in next(iter(result.outcomes.values()), ()) if o.answer_ref is not None)
+    if refs:
+        lines += ["The full model's answers (final numbers, how often): "
+                  + ", ".join(f"{a if len(a) <= 12 else a[:12] + '...'} x{n}" for a, n in refs.most_common())
+                  + f"; {len(refs)} distinct among {sum(refs.values())}: the fewer distinct answers, the more "
+                  "answer agreement happens by chance.", ""]
     for kind in ("gsm8k", "humaneval", "all"):
         rows = [r for r in result.rows if r.kind == kind]
         if rows:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +45,9 @@ def generate(build: Build, req: GenerationRequest, *, timeout_s: float = 3600) -
     with tempfile.TemporaryDirectory(prefix="moe-gen-") as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({
-            "model": str(req.model), "n_ctx": req.n_ctx, "threads": req.threads, "n_predict": req.n_predict,
-            "stats_dir": str(req.stats_dir or Path(tmp) / "stats"),
+            # absolute: the worker runs in its own temporary folder
+            "model": str(req.model.resolve()), "n_ctx": req.n_ctx, "threads": req.threads,
+            "n_predict": req.n_predict, "stats_dir": str((req.stats_dir or Path(tmp) / "stats").resolve()),
             "prompts": [{"id": p.id, "text": p.text} for p in req.prompts]}))
         out = run_tool(Path(sys.executable), ["-m", "harness.tools.genworker", str(job)], env=env,
                        timeout_s=timeout_s, cwd=Path(tmp), sample_gpu=False)
@@ -58,7 +58,3 @@ def generate(build: Build, req: GenerationRequest, *, timeout_s: float = 3600) -
     if [g.id for g in gens] != [p.id for p in req.prompts]:
         raise HarnessError(f"the generation worker returned {len(gens)} of {len(req.prompts)} prompts")
     return gens, out.wall_s
-
-
-def prompt_ids(prompts: Sequence[Prompt]) -> list[str]:
-    return [p.id for p in prompts]
