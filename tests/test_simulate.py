@@ -351,6 +351,9 @@ SPECS = [
     "policy=quality,evict=classlru,half_life=32,classes=4,slots=12",
     "policy=quality,light=host,slots=25%",
     "rule=drop,renorm=on,slots=25%",
+    # Experiment B's compositions (finding 3): only heavy, or only light misses substituted
+    "rule=band,lo=0.3,evict=lfu,slots=25%",
+    "rule=band,hi=0.08,admit=0.5,slots=20",
 ]
 
 
@@ -376,7 +379,7 @@ def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model
         assert t["skips"] > 0
     if "rule=zero" in spec:
         assert t["drops"] > 0
-    if "rule=cache-route" in spec and "light=host" not in spec:
+    if ("rule=cache-route" in spec or "rule=band" in spec) and "light=host" not in spec:
         assert t["substitutions"] > 0
 
 

@@ -97,6 +97,14 @@ CASES = [
     ("rule=zero,light=host", "error: light applies to the rules that substitute"),
     ("mode=engine,policy=quality,light=host", "error: light=host (experts computed on the host) is not implemented in "
                                               "mode=engine yet"),
+    ("rule=band,lo=0.3", "ok"),
+    ("rule=band,hi=0.08,evict=lfu,admit=off", "ok"),
+    ("rule=band,lo=0.1,hi=0.3,light=host", "ok"),
+    ("rule=band,lo=0.3,hi=0.1", "error: rule=band substitutes the misses with gate weight in [lo, hi): lo (0.3"),
+    ("rule=band,hi=1.5", "error: bad value '1.5' for key 'hi' (accepted: the band's upper gate weight bound in [0, 1]"),
+    ("policy=quality,lo=0.3", "error: lo applies to rule=band, not to rule=threshold"),
+    ("rule=bands", "error: bad value 'bands' for key 'rule' (accepted: fetch-all, threshold, first-choice, "
+                   "substitute-all, drop, cache-route, zero, ser, band)"),
 ]
 
 # the checks that need the model: k = 8 experts per token of 64 (the cache and llama-moe-sim make them)

@@ -265,15 +265,17 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from harness.report import markdown
 
     opts = StudyOptions(out=options.out_dir(args, "study"), model=args.model, residency=args.residency / 100,
-                        topics=not args.no_topics, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
-                        **options.perplexity_settings(args))
+                        topics=not args.no_topics, composition=not args.no_composition,
+                        generation=not args.no_generation, tokenizer=args.tokenizer, seed=args.seed,
+                        argv=tuple(sys.argv), **options.perplexity_settings(args))
     result = study.study(opts)
     console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
 
 
 def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = sub.add_parser("study", help="re-test the study's findings on a model (compare + sweep + topics), "
+    s = sub.add_parser("study", help="re-test the study's findings on a model (compare, sweep, topics, Experiment B, "
+                       "the generation test), "
                        "with verdicts")
     options.add_model(s)
     options.add_text(s)
@@ -283,9 +285,91 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     options.add_chunks(s, 32)
     options.add_threads(s)
     s.add_argument("--no-topics", action="store_true", help="skip the topic-change part")
+    s.add_argument("--no-composition", action="store_true", help="skip Experiment B (finding 3)")
+    s.add_argument("--no-generation", action="store_true", help="skip the generation test (it needs ./build.sh "
+                   "--bindings)")
     options.add_out(s, "results folder (default: results/study); an existing one is resumed")
     options.add_seed(s)
     s.set_defaults(func=_cmd_study)
+
+
+# ---- composition (Experiment B), generate -------------------------------------------------------------------
+
+def _cmd_composition(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness.domain.composition import CompositionOptions
+    from harness.orchestration.composition import composition
+    from harness.report.composition import render_composition_markdown
+
+    opts = CompositionOptions(out=options.out_dir(args, "composition"), model=args.model,
+                              residency=args.residency / 100,
+                              heavy_los=tuple(float(x) for x in options.words(args.heavy)),
+                              tolerance=args.tolerance / 100, calib_offset=args.calib_offset,
+                              calib_chunks=args.calib_chunks, seed=args.seed, argv=tuple(sys.argv),
+                              **options.perplexity_settings(args))
+    result = _with_progress("composition", lambda progress: composition(opts, progress))
+    console.print(Markdown(render_composition_markdown(result)))
+    return 0
+
+
+def _add_composition(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("composition", help="Experiment B (finding 3): heavy vs light substitutions at equal "
+                       "substituted mass, with the decision rule")
+    options.add_model(c)
+    options.add_text(c)
+    c.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
+    c.add_argument("--heavy", default="0.3,0.5", help="the heavy bands' lower gate-weight edges, one mass level "
+                   "each (default: %(default)s)")
+    c.add_argument("--tolerance", type=float, default=10, help="masses match within this percent of their mean "
+                   "(default: %(default)s)")
+    c.add_argument("--calib-offset", type=int, default=150_000, help="the calibration text starts at this character "
+                   "of the text, past the evaluation chunks (default: %(default)s)")
+    c.add_argument("--calib-chunks", type=int, default=8, help="calibration chunks (default: %(default)s)")
+    options.add_ctx(c, 512)
+    options.add_chunks(c, 32)
+    options.add_threads(c)
+    options.add_out(c, "results folder (default: results/composition); an existing one is resumed")
+    options.add_seed(c)
+    c.set_defaults(func=_cmd_composition)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness.domain.generation import GenerateOptions
+    from harness.orchestration.generation import generation
+    from harness.report.generation import render_generation_markdown
+
+    opts = GenerateOptions(out=options.out_dir(args, "generate"), model=args.model, prompts=args.prompts,
+                           dataset=args.dataset, limit=args.limit or None, policies=options.words(args.policies),
+                           n_predict=args.n_predict, n_ctx=args.ctx, residency=args.residency / 100,
+                           threads=args.threads, seed=args.seed, argv=tuple(sys.argv))
+    result = _with_progress("generate", lambda progress: generation(opts, progress))
+    console.print(Markdown(render_generation_markdown(result)))
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.generation import GENERATION_POLICIES
+
+    g = sub.add_parser("generate", help="the generation test: greedy generation under each policy against the full "
+                       "model (token agreement, answer agreement, mass vs agreement)")
+    options.add_model(g)
+    g.add_argument("--prompts", type=Path, help="a prompt file, JSON Lines of {id, kind, text} (default: "
+                   "eval/data/gen-prompts.jsonl)")
+    g.add_argument("--dataset", choices=("gsm8k", "humaneval"), help="the dataset's test prompts instead (network "
+                   "once, then cached)")
+    g.add_argument("--limit", type=int, default=0, help="the first N prompts, 0 = all (default: %(default)s)")
+    g.add_argument("--policies", default=",".join(GENERATION_POLICIES),
+                   help="comma-separated (default: %(default)s)")
+    g.add_argument("--n-predict", type=int, default=48, help="tokens per prompt (default: %(default)s)")
+    g.add_argument("--residency", type=float, default=25, help="resident percent of experts (default: %(default)s)")
+    options.add_ctx(g, 512, "context (default: %(default)s)")
+    options.add_threads(g)
+    options.add_out(g, "results folder (default: results/generate); an existing one is resumed")
+    options.add_seed(g)
+    g.set_defaults(func=_cmd_generate)
 
 
 # ---- simulate, calibrate ----------------------------------------------------------------------------------------
@@ -387,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_and_report(sub)
     _add_topics(sub)
     _add_study(sub)
+    _add_composition(sub)
+    _add_generate(sub)
     _add_simulate(sub)
     return p
 

@@ -81,6 +81,8 @@ class StudyOptions(PerplexitySettings):
     chunks: int | None = field(default=32, kw_only=True)
     residency: float = 0.25
     topics: bool = True
+    composition: bool = True  # finding 3: Experiment B (harness composition)
+    generation: bool = True  # the generation test (harness generate)
     tokenizer: Path | None = None
     seed: int = 0
     argv: tuple[str, ...] = ()

@@ -4,11 +4,13 @@ Runs (each resumable, in its own folder under --out):
 - `compare/`: quality only, in emulate mode on the same tokens: fetch-all, the 0.15 rule (LFU, no admission),
   substitute-all, first-choice, quality-first and speed-first;
 - `sweep/`: thresholds and first-choice with and without admission, for the mass hypothesis;
-- `topics/`: quality-first with and without admission on the topic-shift text.
+- `topics/`: quality-first with and without admission on the topic-shift text;
+- `composition/`: Experiment B (finding 3), `generation/`: the generation test (harness.orchestration.study_parts).
 Findings tested (numbering as in PAPER.md):
 1. quality loss is concentrated in heavily weighted substitutions: the 0.15 rule substitutes nearly as many
    calls as substitute-all but loses much less;
 2. the mass hypothesis: Pearson r > 0 between substituted mass and delta-PPL (first choice always fetched);
+3. at equal substituted mass, a few heavy substitutions hurt more than many light ones (harness.domain.composition);
 4. background admission (beta 0.5) lowers perplexity, most right after topic changes;
 5. quality-first lowers perplexity against the 0.15 rule; speed-first does not raise it significantly.
 Verdicts are decided by the rules in `verdicts` (pure) from paired 95% CIs; speed claims are not tested
@@ -16,6 +18,8 @@ Verdicts are decided by the rules in `verdicts` (pure) from paired 95% CIs; spee
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir
@@ -25,6 +29,7 @@ from harness.domain.options import CompareOptions, StudyOptions, SweepGrid, Swee
 from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult, Verdict
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
+from harness.orchestration.study_parts import composition_part, finding3, generation_part
 from harness.orchestration.summary import load_nlls
 from harness.orchestration.sweep import sweep
 from harness.orchestration.topics import topic_shift
@@ -116,6 +121,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
           env: Environment | None = None) -> StudyResult:
     """Run (or resume) the three parts and decide the verdicts; writes report.md in opts.out."""
     from harness.report.markdown import render_study_markdown
+    from harness.report.study_parts import study_parts_markdown
 
     if not 0 < opts.residency <= 1:
         raise HarnessError(f"the residency must be in (0, 100]%, got {opts.residency * 100:g}%")
@@ -144,8 +150,14 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
             note = ""
         except HarnessError as e:
             note = f"not run: {e}"
-    result = StudyResult(opts, c, pairs, s, t, note, verdicts(c, pairs, s, t))
+    comp, comp_note = composition_part(replace(opts, model=c.options.model, text=c.options.text), progress,
+                                       runner=runner, env=env)
+    gen, gen_note = generation_part(replace(opts, model=c.options.model), progress, env=env)
+    vs = list(verdicts(c, pairs, s, t))
+    vs.insert(2, finding3(comp, comp_note))  # after 1 and 2, before 4 and 5
+    result = StudyResult(opts, c, pairs, s, t, note, tuple(vs))
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "report.md").write_text(render_study_markdown(result))
+    (opts.out / "report.md").write_text(render_study_markdown(result) + "\n" +
+                                        study_parts_markdown(comp, comp_note, gen, gen_note))
     return result
 

@@ -144,6 +144,6 @@ def render_study_markdown(result: StudyResult) -> str:
     notes = list(c.notes) + list(c.warnings) + list(result.sweep.warnings)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    lines += ["Speed findings (3, 6 and the time halves of 5) need the engine and a GPU and are not tested here; "
+    lines += ["Speed findings (6 and the time halves of 5) need the engine and a GPU and are not tested here; "
               "the sweep's `est. ms/token` is a cost-model estimate, not a measurement.", ""]
     return "\n".join(lines)

@@ -80,3 +80,95 @@ def dataset_text(name: str, *, loader: Loader | None = None) -> Path:
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+# ---- prompts for the generation test (harness generate) --------------------------------------------------------
+
+PROMPT_KINDS = ("gsm8k", "humaneval")  # a math word problem (its final number is its answer), a code stub
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the generation test: `kind` gsm8k (answer agreement is measured) or humaneval."""
+
+    id: str
+    kind: str
+    text: str
+
+
+def _gsm8k_prompt(i: int, r: Mapping[str, Any]) -> Prompt:
+    return Prompt(f"gsm8k-{i:04d}", "gsm8k", f"Question: {r['question']}\nAnswer:")
+
+
+def _humaneval_prompt(i: int, r: Mapping[str, Any]) -> Prompt:
+    return Prompt(str(r.get("task_id", f"humaneval-{i:04d}")).replace("/", "-"), "humaneval", str(r["prompt"]))
+
+
+_PROMPT_RENDER: dict[str, Callable[[int, Mapping[str, Any]], Prompt]] = {
+    "gsm8k": _gsm8k_prompt, "humaneval": _humaneval_prompt,
+}
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """A prompt file: JSON Lines of {"id", "kind", "text"} (eval/data/gen-prompts.jsonl); one-line errors."""
+    import json
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise HarnessError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+    out: list[Prompt] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            p = Prompt(str(d["id"]), str(d["kind"]), str(d["text"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HarnessError(f"{path}:{n}: not a prompt record {{id, kind, text}} ({type(e).__name__})") from None
+        if p.kind not in PROMPT_KINDS:
+            raise HarnessError(f"{path}:{n}: kind {p.kind!r}: use {', '.join(PROMPT_KINDS)}")
+        out.append(p)
+    ids = [p.id for p in out]
+    if len(set(ids)) != len(ids):
+        raise HarnessError(f"{path}: prompt ids repeat: each id must be unique")
+    if not out:
+        raise HarnessError(f"{path}: no prompts")
+    return out
+
+
+def write_prompts(path: Path, prompts: Iterable[Prompt]) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    tmp.write_text("".join(json.dumps({"id": p.id, "kind": p.kind, "text": p.text}) + "\n" for p in prompts),
+                   encoding="utf-8")
+    tmp.replace(path)
+
+
+def dataset_prompts(name: str, *, limit: int | None = None, loader: Loader | None = None) -> list[Prompt]:
+    """The prompts of dataset `name` (gsm8k: "Question: ...\\nAnswer:"; humaneval: the function stub), fetched once
+    with `datasets` and cached as a prompt file beside the texts; the first `limit` of them. Offline without a
+    cached file: a one-line error pointing at the bundled prompt file."""
+    if name not in _PROMPT_RENDER:
+        raise HarnessError(f"no prompts for dataset {name!r}: the generation test takes {', '.join(_PROMPT_RENDER)}")
+    spec = DATASETS[name]
+    path = cache_dir() / f"{name}.prompts.jsonl"
+    if not (path.is_file() and path.stat().st_size > 0):
+        offline = (f"offline, use the bundled prompts (--prompts eval/data/gen-prompts.jsonl, the default), or save "
+                   f"the {name} prompts as JSON Lines of {{id, kind, text}} to {path}")
+        try:
+            rows = list((loader or _load_with_datasets)(spec))
+        except ImportError:
+            raise HarnessError(f"--dataset {name} needs the 'datasets' package (pip install datasets) and network "
+                               f"once; {offline}") from None
+        except Exception as e:  # network, hub or format errors from the datasets package
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise HarnessError(f"could not load {name} from the Hugging Face hub ({type(e).__name__}: {first}); "
+                               f"{offline}") from None
+        if not rows:
+            raise HarnessError(f"dataset {name} came back empty; {offline}")
+        write_prompts(path, (_PROMPT_RENDER[name](i, r) for i, r in enumerate(rows)))
+    prompts = read_prompts(path)
+    return prompts[:limit] if limit else prompts

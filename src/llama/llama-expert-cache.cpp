@@ -209,6 +209,11 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
         case LLAMA_EXPERT_MISS_SER:
             LLAMA_LOG_INFO("%s: ser: kmin = %d, t = %.3f, renorm = %s\n", __func__, cfg.ser_kmin, cfg.ser_t, cfg.renorm ? "on" : "off");
             break;
+        case LLAMA_EXPERT_MISS_BAND:
+            LLAMA_LOG_INFO("%s: band: misses with gate weight in [%.3f, %s) substituted at any rank, the others fetched%s\n",
+                __func__, cfg.band_lo, cfg.band_hi >= 1.0f ? "1]" : std::to_string(cfg.band_hi).c_str(),
+                cfg.light_host ? " (light=host: computed on the host)" : "");
+            break;
         case LLAMA_EXPERT_MISS_ZERO:
         case LLAMA_EXPERT_MISS_DROP:
             LLAMA_LOG_INFO("%s: renorm = %s\n", __func__, cfg.renorm ? "on" : "off");

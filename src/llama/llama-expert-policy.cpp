@@ -14,7 +14,7 @@
 //
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
-    "mode, policy, rule, tau, tau_file, j, m, alpha, kmin, t, renorm, light, evict, admit, halve, half_life, classes, "
+    "mode, policy, rule, tau, tau_file, j, m, alpha, kmin, t, lo, hi, renorm, light, evict, admit, halve, half_life, classes, "
     "slots, ram_slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, "
     "trace_top";
 
@@ -28,6 +28,7 @@ const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
         case LLAMA_EXPERT_MISS_CACHE_ROUTE:    return "cache-route";
         case LLAMA_EXPERT_MISS_ZERO:           return "zero";
         case LLAMA_EXPERT_MISS_SER:            return "ser";
+        case LLAMA_EXPERT_MISS_BAND:           return "band";
     }
     return "?";
 }
@@ -266,8 +267,9 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             else if (val == "cache-route")    { cfg.rule = LLAMA_EXPERT_MISS_CACHE_ROUTE; }
             else if (val == "zero")           { cfg.rule = LLAMA_EXPERT_MISS_ZERO; }
             else if (val == "ser")            { cfg.rule = LLAMA_EXPERT_MISS_SER; }
+            else if (val == "band")           { cfg.rule = LLAMA_EXPERT_MISS_BAND; }
             else {
-                return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop, cache-route, zero, ser");
+                return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop, cache-route, zero, ser, band");
             }
             explicit_rule = true;
         } else if (key == "tau" || key == "tau_file") {
@@ -314,6 +316,13 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 return bad_value(err, key, val, "a ratio to the first choice's gate weight in [0, 1]");
             }
             cfg.ser_t = v;
+        } else if (key == "lo" || key == "hi") {
+            float v;
+            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
+                return bad_value(err, key, val, key == "lo" ? "the band's lowest gate weight in [0, 1]"
+                                                            : "the band's upper gate weight bound in [0, 1] (1: none)");
+            }
+            (key == "lo" ? cfg.band_lo : cfg.band_hi) = v;
         } else if (key == "renorm") {
             if (val == "on") {
                 cfg.renorm = true;
@@ -463,7 +472,12 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     const llama_expert_miss_rule rule = cfg.rule;
     const bool rule_drops      = rule == LLAMA_EXPERT_MISS_DROP || rule == LLAMA_EXPERT_MISS_ZERO || rule == LLAMA_EXPERT_MISS_SER;
     const bool rule_substitutes = rule == LLAMA_EXPERT_MISS_THRESHOLD || rule == LLAMA_EXPERT_MISS_FIRST_CHOICE ||
-        rule == LLAMA_EXPERT_MISS_SUBSTITUTE_ALL || rule == LLAMA_EXPERT_MISS_CACHE_ROUTE;
+        rule == LLAMA_EXPERT_MISS_SUBSTITUTE_ALL || rule == LLAMA_EXPERT_MISS_CACHE_ROUTE || rule == LLAMA_EXPERT_MISS_BAND;
+    if (rule == LLAMA_EXPERT_MISS_BAND && !(cfg.band_lo < cfg.band_hi)) {
+        err = "rule=band substitutes the misses with gate weight in [lo, hi): lo (" + std::to_string(cfg.band_lo) +
+            ") must be below hi (" + std::to_string(cfg.band_hi) + ")";
+        return false;
+    }
     for (const auto & [key, val] : kv) {
         if (key == "tau_file" && rule != LLAMA_EXPERT_MISS_THRESHOLD) {
             err = std::string("tau_file applies to rule=threshold (policy=quality), not to rule=") +
@@ -498,6 +512,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 ", or use rule=ser";
             return false;
         }
+        if ((key == "lo" || key == "hi") && rule != LLAMA_EXPERT_MISS_BAND) {
+            err = key + " applies to rule=band, not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
+                ", or use rule=band";
+            return false;
+        }
         if (key == "renorm" && !rule_drops) {
             err = std::string("renorm applies to the rules that drop (drop, zero, ser), not to rule=") +
                 llama_expert_miss_rule_name(rule) + ": remove renorm";
@@ -505,7 +524,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         }
         if (key == "light" && !rule_substitutes) {
             err = std::string("light applies to the rules that substitute (threshold, first-choice, substitute-all, "
-                "cache-route), not to rule=") + llama_expert_miss_rule_name(rule) + ": remove light";
+                "cache-route, band), not to rule=") + llama_expert_miss_rule_name(rule) + ": remove light";
             return false;
         }
         if ((key == "half_life" || key == "classes") && cfg.evict != LLAMA_EXPERT_EVICT_CLASSLRU) {
@@ -635,6 +654,8 @@ void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const 
     route_alpha = cfg.route_alpha;
     ser_kmin    = cfg.ser_kmin;
     ser_t       = cfg.ser_t;
+    band_lo     = cfg.band_lo;
+    band_hi     = cfg.band_hi;
     renorm      = cfg.renorm;
     light_host  = cfg.light_host;
 
@@ -997,6 +1018,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             case LLAMA_EXPERT_MISS_CACHE_ROUTE:    want_fetch = r < route_j; break;
             case LLAMA_EXPERT_MISS_ZERO:           want_fetch = true; break;
             case LLAMA_EXPERT_MISS_SER:            want_fetch = true; break;
+            case LLAMA_EXPERT_MISS_BAND:           want_fetch = !(w[r] >= band_lo && (w[r] < band_hi || band_hi >= 1.0f)); break;
             case LLAMA_EXPERT_MISS_DROP:           break;
         }
 

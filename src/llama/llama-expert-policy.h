@@ -28,6 +28,9 @@
 //   - rule=ser, ik_llama.cpp's Smart Expert Reduction (-ser Kmin,t): cache-unaware: the first `kmin` ranks
 //     (default 1) always run; a later rank runs only if its gate weight is > t * the rank-0 weight (default
 //     t = 0.1); the others are skipped (gate weight 0, resident or not: `skips`); computed misses are fetched.
+//   - rule=band (the study's Experiment B, one composition of substitutions at a time): a miss whose gate weight w
+//     lies in [lo, hi) is substituted, at any rank (rank 0 included), every other miss is fetched; hi = 1 has no
+//     upper bound (w = 1 is in the band). lo=0.3 substitutes only heavy misses, hi=0.05 only light ones.
 //   - light=host (rules that substitute): a light miss, one the rule does not fetch by its rank or weight (which
 //     it would otherwise substitute), is computed on the host with the missed expert itself (exact;
 //     LLAMA_EXPERT_ACTION_HOST, counter host_computes); with cache-route every rank from j on.
@@ -54,6 +57,7 @@ enum llama_expert_miss_rule {
     LLAMA_EXPERT_MISS_CACHE_ROUTE    = 5, // colibri CACHE_ROUTE: ranks < j fetched, later ones a resident of the top m
     LLAMA_EXPERT_MISS_ZERO           = 6, // colibri DEGRADE_ZERO: drop a miss with gate weight < tau, fetch the others
     LLAMA_EXPERT_MISS_SER            = 7, // ik_llama.cpp SER: skip ranks >= kmin unless w > t * w_0 (cache-unaware)
+    LLAMA_EXPERT_MISS_BAND           = 8, // substitute a miss with gate weight in [lo, hi) at any rank, fetch the others
 };
 
 enum llama_expert_evict {
@@ -118,6 +122,10 @@ struct llama_expert_cache_config {
     // rule=ser: the first ser_kmin ranks always run; a later rank runs if w > ser_t * w_0
     int32_t ser_kmin = 1;
     float   ser_t    = 0.1f;
+
+    // rule=band: substitute a miss with gate weight in [band_lo, band_hi) (band_hi = 1: no upper bound)
+    float band_lo = 0.0f;
+    float band_hi = 1.0f;
 
     // rules that drop (drop, zero, ser): rescale the computed selections to the weight sum of all k (renorm=on)
     bool renorm = false;
@@ -250,6 +258,8 @@ struct llama_expert_layer_policy {
     float                  route_alpha = 1.0f;
     int32_t                ser_kmin    = 1;
     float                  ser_t       = 0.1f;
+    float                  band_lo     = 0.0f;
+    float                  band_hi     = 1.0f;
     bool                   renorm      = false;
     bool                   light_host  = false;
 

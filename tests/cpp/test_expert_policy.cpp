@@ -405,6 +405,55 @@ static void test_ser() {
     }
 }
 
+// rule=band (Experiment B): a miss with w in [lo, hi) is substituted at any rank, every other miss is fetched
+static void test_band() {
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("rule=band", cfg, err) && cfg.rule == LLAMA_EXPERT_MISS_BAND);
+    CHECK(cfg.band_lo == 0.0f && cfg.band_hi == 1.0f && cfg.preset == "custom" && !llama_expert_cache_config_scales_weights(cfg));
+    CHECK(std::string(llama_expert_miss_rule_name(cfg.rule)) == "band");
+    CHECK(llama_expert_cache_config_parse("rule=band,lo=0.3,light=host", cfg, err) && cfg.band_lo == 0.3f && cfg.light_host);
+    CHECK(llama_expert_cache_config_parse("rule=band,hi=0.05", cfg, err) && cfg.band_lo == 0.0f && cfg.band_hi == 0.05f);
+    CHECK(!llama_expert_cache_config_parse("rule=band,lo=0.2,hi=0.2", cfg, err) && err.find("lo (0.2") != std::string::npos &&
+          err.find("must be below hi") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("rule=band,lo=1.5", cfg, err) && err.find("for key 'lo'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("rule=band,hi=-1", cfg, err) && err.find("for key 'hi'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("policy=quality,lo=0.1", cfg, err) && err.find("lo applies to rule=band") == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=threshold,hi=0.1", cfg, err) && err.find("hi applies to rule=band") == 0);
+
+    std::vector<float> scores(16, 0.0f);
+    scores[5] = 2.0f; scores[6] = 1.0f; // the best resident substitutes: 5, then 6
+    const std::vector<int32_t> ids = { 10, 11, 12, 13 }; // all missed (resident: 0..7)
+    const std::vector<float>   w   = { 0.5f, 0.3f, 0.15f, 0.05f };
+    {
+        // heavy band [0.3, 1]: rank 0 (0.5) and rank 1 (0.3, the band's closed end) substituted, the light ones fetched
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=band,lo=0.3,evict=lru,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[0] == 5);
+        CHECK(r.act[1] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[1] == 6);
+        CHECK(r.act[2] == LLAMA_EXPERT_ACTION_FETCH && r.act[3] == LLAMA_EXPERT_ACTION_FETCH);
+        CHECK(p.stats.substitutions == 2 && p.stats.subst_first_choice == 1 && p.stats.fetches == 2);
+        CHECK(near(p.stats.subst_mass_sum, 0.8) && p.is_resident(12) && p.is_resident(13) && !p.is_resident(10));
+    }
+    {
+        // light band [0, 0.15): only the 0.05 miss substituted (0.15 is the open end), rank 0 fetched
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=band,hi=0.15,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.act[1] == LLAMA_EXPERT_ACTION_FETCH && r.act[2] == LLAMA_EXPERT_ACTION_FETCH);
+        CHECK(r.act[3] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[3] == 5);
+        CHECK(p.stats.substitutions == 1 && p.stats.subst_first_choice == 0 && near(p.stats.subst_mass_sum, 0.05));
+    }
+    {
+        // hi = 1 has no upper bound: a gate weight of exactly 1 is in the band
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=band,lo=0.9,slots=8"));
+        auto r = step(p, { 10 }, { 1.0f }, scores);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_SUBSTITUTE);
+    }
+}
+
 // light=host with a threshold rule: the light miss is computed on the host, and counts toward admission
 static void test_light_host() {
     std::vector<float> scores(16, 0.0f);
@@ -480,6 +529,7 @@ static void test_random() {
         "rule=cache-route,slots=16", "rule=cache-route,j=2,m=12,alpha=0.7,admit=0.3,evict=classlru,slots=16",
         "rule=zero,tau=0.08,renorm=on,slots=16", "rule=ser,kmin=3,t=0.3,evict=classlru,half_life=32,slots=16",
         "policy=quality,light=host,slots=16", "policy=fetch-all,evict=classlru,slots=16",
+        "rule=band,lo=0.2,admit=0.5,evict=lfu,slots=16", "rule=band,hi=0.05,evict=lru,slots=16",
     };
     for (const char * spec : specs) {
         const auto cfg = cfg_of(spec);
@@ -535,6 +585,12 @@ static void test_random() {
                 }
                 if (res.act[r] == LLAMA_EXPERT_ACTION_HOST) {
                     CHECK(cfg.light_host && res.out[r] == ids[r] && r > 0 && w[r] < cfg.tau); // (it may be admitted at the end)
+                }
+                if (cfg.rule == LLAMA_EXPERT_MISS_BAND && res.act[r] == LLAMA_EXPERT_ACTION_SUBSTITUTE) {
+                    CHECK(w[r] >= cfg.band_lo && (w[r] < cfg.band_hi || cfg.band_hi >= 1.0f));
+                }
+                if (cfg.rule == LLAMA_EXPERT_MISS_BAND && res.act[r] == LLAMA_EXPERT_ACTION_FETCH) {
+                    CHECK(!(w[r] >= cfg.band_lo && (w[r] < cfg.band_hi || cfg.band_hi >= 1.0f)));
                 }
                 if (res.act[r] == LLAMA_EXPERT_ACTION_SUBSTITUTE) {
                     subst_fc    += r == 0;
@@ -761,6 +817,7 @@ int main() {
     test_cache_route();
     test_zero();
     test_ser();
+    test_band();
     test_light_host();
     test_classlru();
     test_admission();
