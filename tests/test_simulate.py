@@ -77,6 +77,7 @@ def counters(tokens: int, token_layers: int, fetches: int, admissions: int, hit_
             "host_computes": 0, "skips": 0, "admissions": admissions, "evictions": 0, "subst_first_choice": 0,
             "forced_substitutions": 0,
             "token_layers": token_layers, "token_layers_with_subst": 5, "ram_tier_loads": 0, "file_loads": 0,
+            "prefetches": 0, "prefetch_used": 0, "prefetch_wasted": 0,
             "max_subst_weight": 0.1,
             "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 2.0 / token_layers,
             "fetches_per_token": fetches / tokens, "drop_mass_sum": 0.0, "hit_rate": hit_rate,
@@ -354,6 +355,9 @@ SPECS = [
     # Experiment B's compositions (finding 3): only heavy, or only light misses substituted
     "rule=band,lo=0.3,evict=lfu,slots=25%",
     "rule=band,hi=0.08,admit=0.5,slots=20",
+    # prefetch (issue 13 item 2): the trace carries each token-layer's prediction (layer 1 of 3 is predicted)
+    "policy=quality,prefetch=on,slots=25%",
+    "policy=fetch-all,evict=lfu,prefetch=on,slots=12",
 ]
 
 
@@ -381,6 +385,8 @@ def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model
         assert t["drops"] > 0
     if ("rule=cache-route" in spec or "rule=band" in spec) and "light=host" not in spec:
         assert t["substitutions"] > 0
+    if "prefetch=on" in spec:
+        assert t["prefetches"] > 0 and engine["layers"][1]["prefetches"] > 0
 
 
 @pytest.mark.build

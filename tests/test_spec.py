@@ -58,6 +58,13 @@ CASES = [
     ("mode=engine,ram_slots=64", "error: ram_slots is a RAM tier between the slots and the model file"),
     ("mode=engine,host=file,ram_slots=0", "error: bad value '0' for key 'ram_slots'"),
     ("mode=engine,host=file,ram_slots=150%", "error: bad value '150%' for key 'ram_slots'"),
+    ("policy=quality,prefetch=on", "ok"),
+    ("mode=engine,policy=quality,prefetch=on,async=thread", "ok"),
+    ("policy=quality,prefetch=maybe", "error: bad value 'maybe' for key 'prefetch' (accepted: on"),
+    ("prefetch=on,prefetch=off", "error: key 'prefetch' is given twice"),
+    ("mode=engine,prefetch=on,async=off", "error: prefetch=on copies the predicted experts in the background, and "
+     "async=off makes every copy synchronous"),
+    ("mode=off,prefetch=on", "ok"),  # mode=off: ignored keys are a warning
     ("mode=emulate,host=file,readers=2", "error: readers= sets how mode=engine reads the model file"),
     ("mode=engine,host=file,policy=speed,tau_file=0.4", "error: tau_file applies to rule=threshold"),
     ("mode=engine,policy=quality,tau_file=0.4", "error: tau_file is the threshold for misses read from the model"),

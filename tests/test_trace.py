@@ -31,8 +31,8 @@ from harness.tools.synth import SynthSpec, synth_text, write_synth_model
 
 
 def small_trace() -> ExpertTrace:
-    """Two layers, two tokens each, k=3, top_m=4, in ubatch order (layer by layer)."""
-    rec = np.zeros(4, dtype=trace_dtype(3, 4))
+    """Two layers, two tokens each, k=3, top_m=4, in ubatch order (layer by layer); version 1 (no prediction)."""
+    rec = np.zeros(4, dtype=trace_dtype(3, 4, 1))
     rows = [  # layer, token, ids, weights, used, action
         (0, 0, [5, 1, 2], [0.5, 0.3, 0.2], [5, 1, 7], [ACTION_HIT, ACTION_FETCH, ACTION_SUBSTITUTE]),
         (0, 1, [1, 2, 3], [0.6, 0.25, 0.15], [1, 2, 3], [ACTION_HIT, ACTION_HIT, ACTION_HIT]),
@@ -61,6 +61,30 @@ def test_round_trip_small(tmp_path: Path) -> None:
     assert write_expert_trace(tmp_path / "u.bin", back).read_bytes() == path.read_bytes()
 
 
+def test_round_trip_version_2(tmp_path: Path) -> None:
+    """Version 2 adds pred[k] at the end of each record (the prefetch prediction; -1: none); both versions are read."""
+    t1 = small_trace()
+    rec = np.zeros(4, dtype=trace_dtype(3, 4))
+    for name in t1.records.dtype.names or ():
+        rec[name] = t1.records[name]
+    rec["pred"] = [[-1, -1, -1], [-1, -1, -1], [5, 1, 2], [1, 2, 3]]
+    t = ExpertTrace(2, 2, 8, 3, 4, 4, rec)
+    path = write_expert_trace(tmp_path / "t2.bin", t)
+    assert path.stat().st_size == 64 + 4 * (8 + 12 * 3 + 4 + 8 * 4 + 4 * 3)
+    back = read_expert_trace(path)
+    assert back.version == 2 and back.has_pred and not t1.has_pred
+    assert back.records.tobytes() == rec.tobytes()
+    assert read_trace_header(path).record_size == 92
+    # a damaged prediction is named
+    rec2 = rec.copy()
+    rec2["pred"][2, 1] = 8
+    path.write_bytes(path.read_bytes()[:64] + rec2.tobytes())
+    with pytest.raises(HarnessError, match=re.escape("record 2 has a predicted expert id outside [-1, 8)")):
+        read_expert_trace(path)
+    with pytest.raises(HarnessError, match="version-1 layout"):
+        write_expert_trace(tmp_path / "x.bin", ExpertTrace(1, 2, 8, 3, 4, 4, rec))
+
+
 def test_round_trip_synthetic_without_scores(tmp_path: Path) -> None:
     t = synthetic_trace(n_layer=3, n_expert=32, k=5, n_tokens=40, top_m=0, seed=1)
     back = read_expert_trace(write_expert_trace(tmp_path / "s.bin", t))
@@ -78,8 +102,12 @@ def test_header_errors(tmp_path: Path) -> None:
     bad.write_bytes(data[:-5])
     with pytest.raises(HarnessError, match="truncated trace"):
         read_trace_header(bad)
+    bad.write_bytes(data[:8] + (3).to_bytes(4, "little") + data[12:])
+    with pytest.raises(HarnessError, match="version 3"):
+        read_trace_header(bad)
+    # a version-1 file relabelled version 2: its records lack the prediction
     bad.write_bytes(data[:8] + (2).to_bytes(4, "little") + data[12:])
-    with pytest.raises(HarnessError, match="version 2"):
+    with pytest.raises(HarnessError, match="record size 80 does not match version 2"):
         read_trace_header(bad)
     bad.write_bytes(data[:40])
     with pytest.raises(HarnessError, match="truncated trace header"):

@@ -23,7 +23,8 @@ __all__ = [
 ]
 
 TRACE_MAGIC = b"MOETRACE"
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: + pred[k], the previous MoE layer's prediction (prefetch); version 1 is still read
+TRACE_VERSIONS = (1, 2)
 TRACE_HEADER_SIZE = 64
 MAX_EXPERTS = 1 << 16  # far above any model's experts per layer (llama.cpp: LLAMA_MAX_EXPERTS)
 
@@ -42,10 +43,16 @@ class ExpertTrace:
     k: int
     top_m: int
     n_slots: int
-    records: npt.NDArray[np.void]  # fields: layer, token, ids[k], weights[k], used[k], action[k], top_ids, top_score
+    # fields: layer, token, ids[k], weights[k], used[k], action[k], top_ids, top_score; version 2: pred[k] (-1: none)
+    records: npt.NDArray[np.void]
+
+    @property
+    def has_pred(self) -> bool:
+        """Whether the records carry the prefetch prediction (version 2)."""
+        return self.version >= 2
 
 
-def trace_dtype(k: int, top_m: int) -> np.dtype[np.void]:
+def trace_dtype(k: int, top_m: int, version: int = TRACE_VERSION) -> np.dtype[np.void]:
     pad = (k + 3) // 4 * 4
     fields: list[tuple[str, str] | tuple[str, str, tuple[int, ...]]] = [
         ("layer", "<u4"), ("token", "<u4"),
@@ -53,17 +60,27 @@ def trace_dtype(k: int, top_m: int) -> np.dtype[np.void]:
     ]
     if top_m:
         fields += [("top_ids", "<i4", (top_m,)), ("top_score", "<f4", (top_m,))]
+    if version >= 2:
+        fields.append(("pred", "<i4", (k,)))
     return np.dtype(fields)  # packed, little-endian
 
 
-def _check_shape(path: str | Path, n_layer: int, n_expert: int, k: int, top_m: int, rsize: int) -> None:
+def _check_version(path: str | Path, version: int, hsize: int) -> None:
+    if version not in TRACE_VERSIONS or hsize != TRACE_HEADER_SIZE:
+        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows versions "
+                           f"{', '.join(map(str, TRACE_VERSIONS))}")
+
+
+def _check_shape(path: str | Path, n_layer: int, n_expert: int, k: int, top_m: int, rsize: int,
+                 version: int = TRACE_VERSION) -> None:
     """A header whose shape cannot be a trace's (a damaged file): one line, before any record layout is built."""
     if not (n_layer >= 1 and 1 <= k <= n_expert <= MAX_EXPERTS and top_m <= n_expert):
         raise HarnessError(f"{path}: damaged trace header (n_layer={n_layer}, n_expert={n_expert}, k={k}, "
                            f"top_m={top_m}; expected 1 <= k <= n_expert <= {MAX_EXPERTS}, top_m <= n_expert)")
-    want = 8 + 12 * k + (k + 3) // 4 * 4 + 8 * top_m
+    want = 8 + 12 * k + (k + 3) // 4 * 4 + 8 * top_m + (4 * k if version >= 2 else 0)
     if rsize != want:
-        raise HarnessError(f"{path}: record size {rsize} does not match k={k}, top_m={top_m} ({want})")
+        raise HarnessError(f"{path}: record size {rsize} does not match version {version}, k={k}, top_m={top_m} "
+                           f"({want})")
 
 
 def read_expert_trace(path: str | Path) -> ExpertTrace:
@@ -71,11 +88,9 @@ def read_expert_trace(path: str | Path) -> ExpertTrace:
     if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
         raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
     version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", data, 8)
-    if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
-        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
-                           f"{TRACE_VERSION}")
-    _check_shape(path, n_layer, n_expert, k, top_m, rsize)
-    dt = trace_dtype(k, top_m)
+    _check_version(path, version, hsize)
+    _check_shape(path, n_layer, n_expert, k, top_m, rsize, version)
+    dt = trace_dtype(k, top_m, version)
     body = len(data) - hsize
     if body % rsize:
         raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
@@ -96,6 +111,9 @@ def _check_records(path: str | Path, rec: npt.NDArray[np.void], n_layer: int, n_
         checks += [(np.any((rec["top_ids"] < 0) | (rec["top_ids"] >= n_expert), axis=1),
                     f"a top expert id outside [0, {n_expert})"),
                    (np.any(~np.isfinite(rec["top_score"]), axis=1), "a router score that is not finite")]
+    if "pred" in (rec.dtype.names or ()):
+        checks.append((np.any((rec["pred"] < -1) | (rec["pred"] >= n_expert), axis=1),
+                       f"a predicted expert id outside [-1, {n_expert})"))
     for bad, what in checks:
         if bad.any():
             i = int(np.argmax(bad))
@@ -132,10 +150,8 @@ def read_trace_header(path: str | Path) -> TraceHeader:
     if len(head) < TRACE_HEADER_SIZE:
         raise HarnessError(f"{path}: truncated trace header ({len(head)} bytes)")
     version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", head, 8)
-    if version != TRACE_VERSION or hsize != TRACE_HEADER_SIZE:
-        raise HarnessError(f"{path}: trace version {version} (header {hsize} bytes); this reader knows version "
-                           f"{TRACE_VERSION}")
-    _check_shape(path, n_layer, n_expert, k, top_m, rsize)
+    _check_version(path, version, hsize)
+    _check_shape(path, n_layer, n_expert, k, top_m, rsize, version)
     body = size - TRACE_HEADER_SIZE
     if body % rsize:
         raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
@@ -148,12 +164,16 @@ def header_of(trace: ExpertTrace) -> TraceHeader:
 
 
 def write_expert_trace(path: str | Path, trace: ExpertTrace) -> Path:
-    """Write `trace` in the engine's byte layout (version 1): `read_expert_trace` gives it back unchanged."""
-    dt = trace_dtype(trace.k, trace.top_m)
+    """Write `trace` in the engine's byte layout (its version, 1 or 2): `read_expert_trace` gives it back
+    unchanged."""
+    if trace.version not in TRACE_VERSIONS:
+        raise HarnessError(f"trace version {trace.version}: this writer knows versions "
+                           f"{', '.join(map(str, TRACE_VERSIONS))}")
+    dt = trace_dtype(trace.k, trace.top_m, trace.version)
     if trace.records.dtype != dt:
-        raise HarnessError(f"trace records have dtype {trace.records.dtype}, not the version-1 layout for "
-                           f"k={trace.k}, top_m={trace.top_m}")
-    header = TRACE_MAGIC + struct.pack("<14I", TRACE_VERSION, TRACE_HEADER_SIZE, trace.n_layer, trace.n_expert,
+        raise HarnessError(f"trace records have dtype {trace.records.dtype}, not the version-{trace.version} layout "
+                           f"for k={trace.k}, top_m={trace.top_m}")
+    header = TRACE_MAGIC + struct.pack("<14I", trace.version, TRACE_HEADER_SIZE, trace.n_layer, trace.n_expert,
                                        trace.k, trace.top_m, dt.itemsize, trace.n_slots, 0, 0, 0, 0, 0, 0)
     assert len(header) == TRACE_HEADER_SIZE
     out = Path(path)
@@ -203,13 +223,15 @@ def synthetic_trace(*, n_layer: int, n_expert: int, k: int, n_tokens: int, top_m
     tokens (a topic change); router logits are log-popularity plus Gumbel noise, so the top k are a draw
     without replacement by popularity; gate weights are the softmax over the selected, normalised; scores
     the softmax probabilities of the top_m. Records are in decode order (token by token, layer by layer).
-    Actions are not decided (all hits, used = selected): replaying is what the simulator is for."""
+    Actions are not decided (all hits, used = selected): replaying is what the simulator is for. Version 2, with no
+    prefetch prediction (pred = -1)."""
     if not (1 <= k <= n_expert and 0 <= top_m <= n_expert and n_layer >= 1 and n_tokens >= 0):
         raise HarnessError(f"bad synthetic trace shape: n_layer={n_layer}, n_expert={n_expert}, k={k}, "
                            f"top_m={top_m}, n_tokens={n_tokens}")
     rng = np.random.default_rng(seed)
     dt = trace_dtype(k, top_m)
     rec = np.zeros(n_tokens * n_layer, dtype=dt)
+    rec["pred"] = -1
     base = -zipf * np.log(np.arange(1, n_expert + 1, dtype=np.float64))
     n_topics = max(1, -(-n_tokens // max(1, topic_every)))
     for il in range(n_layer):

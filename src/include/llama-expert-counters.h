@@ -25,7 +25,10 @@
     X(token_layers,            token_layers,            "token-layers decided") \
     X(token_layers_with_subst, token_layers_with_subst, "token-layers with at least one substitution") \
     X(ram_tier_loads,          ram_tier_loads,          "three tiers: experts loaded into the slots from the RAM tier") \
-    X(file_loads,              file_loads,              "three tiers: experts loaded into the slots from the model file, through the RAM tier")
+    X(file_loads,              file_loads,              "three tiers: experts loaded into the slots from the model file, through the RAM tier") \
+    X(prefetches,              prefetches,              "experts admitted by prefetch (prefetch=on: the next MoE layer's router, predicted)") \
+    X(prefetch_used,           prefetch_used,           "prefetched experts computed with (selected, or a substitute) before their eviction") \
+    X(prefetch_wasted,         prefetch_wasted,         "prefetched experts evicted before they were computed with")
 
 // mode=engine: the copies into the cache banks (llama_expert_engine_stats), summed over layers
 #define LLAMA_EXPERT_ENGINE_COUNTERS(X) \
@@ -38,7 +41,9 @@
     X(wait_ns,            copy_wait_seconds,  "host time waiting for background copies") \
     X(file_reads,         file_reads,         "reads from the model file (host=file)") \
     X(file_read_bytes,    file_read_bytes,    "bytes read from the model file (host=file)") \
-    X(file_read_ns,       file_read_seconds,  "time reading the model file, summed over the reader threads (host=file)")
+    X(file_read_ns,       file_read_seconds,  "time reading the model file, summed over the reader threads (host=file)") \
+    X(prefetch_bytes,     prefetch_bytes,     "bytes of the experts admitted by prefetch (prefetch=on)") \
+    X(prefetch_wasted_bytes, prefetch_wasted_bytes, "bytes of the prefetched experts evicted before they were computed with")
 
 // the route step (all modes)
 #define LLAMA_EXPERT_ROUTE_COUNTERS(X) \

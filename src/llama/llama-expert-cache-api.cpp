@@ -30,7 +30,7 @@ bool llama_expert_cache_counters_get(const llama_context * ctx, llama_expert_cac
         out->route_ns            += L->route_ns;
     }
     if (cache->engine) {
-        const auto e = cache->engine->total();
+        const auto e = cache->engine_total();
         out->bank_bytes = cache->engine->total_size();
 #define LLAMA_EXPERT_COUNTER_COPY(field, metric, help) out->field = e.field;
         LLAMA_EXPERT_ENGINE_COUNTERS(LLAMA_EXPERT_COUNTER_COPY)

@@ -69,7 +69,7 @@ static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model
 }
 
 llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, const llama_model & model,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_) {
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_), model(&model) {
     const auto & hparams = model.hparams;
     const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
 
@@ -170,6 +170,15 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
         n_moe += L->moe;
         layers[il] = std::move(L);
     }
+    // prefetch: each MoE layer predicts the next MoE layer with that layer's router
+    for (int32_t il = 0, prev = -1; il < n_layer; ++il) {
+        if (layers[il]->moe) {
+            if (prev >= 0 && il < (int32_t) model.layers.size() && model.layers[il].ffn_gate_inp != nullptr) {
+                layers[prev]->next_moe = il;
+            }
+            prev = il;
+        }
+    }
 
     if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
         std::vector<bool> moe(n_layer);
@@ -223,6 +232,10 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
                 LLAMA_LOG_INFO("%s: light misses computed on the host\n", __func__);
             }
             break;
+    }
+    if (cfg.prefetch) {
+        LLAMA_LOG_INFO("%s: prefetch: each MoE layer's route step predicts the next MoE layer's experts with that layer's router%s\n",
+            __func__, engine ? "; one-token ubatches copy them in the background" : "");
     }
     if (cfg.evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
         LLAMA_LOG_INFO("%s: classlru: half-life %u tokens, %u classes\n", __func__, cfg.classlru_half_life, cfg.classlru_classes);
@@ -316,6 +329,7 @@ void llama_expert_cache::reset() {
         L->gating_ratio_min = 1e300;
         L->gating_ratio_max = -1e300;
         L->bypass_tokens = 0;
+        L->pred_tokens   = -1;
     }
     if (engine) {
         // back to the initial residency in the banks too; these copies do not count
@@ -349,6 +363,8 @@ void llama_expert_cache::reset() {
 //   uint8    action[k]     0 hit, 1 fetch, 2 substitute, 3 drop; padded with zeros to a multiple of 4
 //   int32    top_ids[top_m]    the top_m experts by router score, descending
 //   float32  top_score[top_m]  their router scores (probability, plus the selection bias if the model has one)
+//   int32    pred[k]       version 2: the experts the previous MoE layer predicted for this token-layer (its
+//                          input through this layer's router, top k), -1 where there was no prediction
 
 void llama_expert_cache::trace_open() {
     trace = fopen(cfg.trace.c_str(), "wb");
@@ -356,7 +372,7 @@ void llama_expert_cache::trace_open() {
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + ": cannot open the trace file '" + cfg.trace + "'");
     }
     const uint32_t k = (uint32_t) n_used;
-    trace_rsize = 8 + 12*k + ((k + 3) & ~3u) + 8*trace_top;
+    trace_rsize = 8 + 12*k + ((k + 3) & ~3u) + 8*trace_top + 4*k;
     uint32_t hdr[14] = {
         LLAMA_EXPERT_TRACE_VERSION, 64, (uint32_t) n_layer, (uint32_t) n_expert, k, trace_top, trace_rsize,
         (uint32_t) n_slots, 0, 0, 0, 0, 0, 0,
@@ -366,7 +382,7 @@ void llama_expert_cache::trace_open() {
 }
 
 void llama_expert_cache::trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
-                                     const int32_t * out, const uint8_t * act, const float * scores) {
+                                     const int32_t * out, const uint8_t * act, const float * scores, const int32_t * pred) {
     const int32_t k = n_used;
     uint32_t head[2] = { (uint32_t) L.il, token };
     fwrite(head, sizeof(head), 1, trace);
@@ -392,6 +408,14 @@ void llama_expert_cache::trace_write(const llama_expert_cache_layer & L, uint32_
             fwrite(&s, sizeof(float), 1, trace);
         }
     }
+    if (pred) {
+        fwrite(pred, sizeof(int32_t), k, trace);
+    } else {
+        const int32_t none = -1;
+        for (int32_t r = 0; r < k; ++r) {
+            fwrite(&none, sizeof(int32_t), 1, trace);
+        }
+    }
 }
 
 //
@@ -401,6 +425,30 @@ void llama_expert_cache::trace_write(const llama_expert_cache_layer & L, uint32_
 // The route step, in three parts: gating (the gate weights and the router's ranking, recomputed on the host),
 // policy (llama_expert_layer_policy::decide, token by token), engine (copies and slot ids; mode=engine only).
 
+// router probabilities of all E experts from their logits, for the gating function
+static void route_probs(llama_expert_gating_func_type gating, const float * lg, int32_t E, float * p) {
+    switch (gating) {
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT:
+            {
+                float m = -INFINITY;
+                for (int32_t e = 0; e < E; ++e) { m = std::max(m, lg[e]); }
+                double sum = 0.0;
+                for (int32_t e = 0; e < E; ++e) { p[e] = expf(lg[e] - m); sum += p[e]; }
+                const float inv = (float) (1.0 / sum);
+                for (int32_t e = 0; e < E; ++e) { p[e] *= inv; }
+            } break;
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:
+            for (int32_t e = 0; e < E; ++e) { p[e] = 1.0f / (1.0f + expf(-lg[e])); }
+            break;
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
+            for (int32_t e = 0; e < E; ++e) { p[e] = sqrtf(lg[e] > 20.0f ? lg[e] : log1pf(expf(lg[e]))); }
+            break;
+        default:
+            GGML_ABORT("expert cache: unsupported gating function %d", (int) gating);
+    }
+}
+
 // Gating of one token: the normalised gate weights of its k selected experts (L.w) and the router's scores of
 // all experts (returned: their order ranks substitutes). Recomputed from the router logits, as build_moe_ffn
 // computes them, because reading the graph's probabilities would break the CUDA topk-moe fusion.
@@ -409,27 +457,7 @@ static const float * route_gate(llama_expert_cache_layer & L, const int32_t * id
     float * w = L.w.data();
     // router probabilities of all experts, when needed
     if (need_probs) {
-        float * p = L.probs.data();
-        switch (L.gating) {
-            case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:
-            case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT:
-                {
-                    float m = -INFINITY;
-                    for (int32_t e = 0; e < E; ++e) { m = std::max(m, lg[e]); }
-                    double sum = 0.0;
-                    for (int32_t e = 0; e < E; ++e) { p[e] = expf(lg[e] - m); sum += p[e]; }
-                    const float inv = (float) (1.0 / sum);
-                    for (int32_t e = 0; e < E; ++e) { p[e] *= inv; }
-                } break;
-            case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:
-                for (int32_t e = 0; e < E; ++e) { p[e] = 1.0f / (1.0f + expf(-lg[e])); }
-                break;
-            case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS:
-                for (int32_t e = 0; e < E; ++e) { p[e] = sqrtf(lg[e] > 20.0f ? lg[e] : log1pf(expf(lg[e]))); }
-                break;
-            default:
-                GGML_ABORT("expert cache: unsupported gating function %d", (int) L.gating);
-        }
+        route_probs(L.gating, lg, E, L.probs.data());
     }
 
     // normalised gate weights of the selected experts
@@ -473,6 +501,57 @@ static const float * route_gate(llama_expert_cache_layer & L, const int32_t * id
         scores = L.scores.data();
     }
     return scores;
+}
+
+// Prefetch, at the route step of the predicting layer L: the next MoE layer's top k (its router applied to L's
+// input; ranked by logit, or by probability plus selection bias as that layer selects; grouped routing is not
+// applied) for every token of the ubatch, into that layer's prediction. Engine, one-token ubatch: applied at
+// once, and its copies are issued in the background, so that they overlap the layers in between; otherwise the
+// predicted layer applies each token's prediction just before deciding it (the same decisions: nothing else
+// changes that layer's residency in between).
+static void route_predict(llama_expert_cache_layer & L, const ggml_tensor * dst, int64_t T, bool banked) {
+    auto & cache = *L.cache;
+    auto & N     = *cache.layers[L.next_moe];
+    const ggml_tensor * pl = dst->src[L.src_pred];
+    const float * pb = L.src_pred_bias >= 0 ? (const float *) dst->src[L.src_pred_bias]->data : nullptr;
+    const int32_t E = cache.n_expert;
+    const int32_t k = cache.n_used;
+    GGML_ASSERT(pl->ne[0] == E && pl->ne[1] == T);
+
+    N.pred.resize((size_t) T * k);
+    N.pred_tokens  = T;
+    N.pred_applied = false;
+    L.top.resize(E);
+    if (pb) {
+        L.pred_probs.resize(E);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        const float * sc = (const float *) ((const char *) pl->data + t*pl->nb[1]);
+        if (pb) {
+            // the next layer's gating (set when its route step was built, before any compute)
+            route_probs(N.gating, sc, E, L.pred_probs.data());
+            for (int32_t e = 0; e < E; ++e) { L.pred_probs[e] += pb[e]; }
+            sc = L.pred_probs.data();
+        }
+        for (int32_t e = 0; e < E; ++e) {
+            L.top[e] = e;
+        }
+        std::partial_sort(L.top.begin(), L.top.begin() + k, L.top.end(), [sc](int32_t a, int32_t b) {
+            return sc[a] > sc[b] || (sc[a] == sc[b] && a < b);
+        });
+        std::copy(L.top.begin(), L.top.begin() + k, N.pred.begin() + t*k);
+    }
+
+    // (only for a token the predicted layer decides in this graph: its route op set the rows word)
+    if (cache.cfg.prefetch && cache.engine && banked && T == 1 && dst->op_params[LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS] == 1) {
+        // the predicted layer's previous background copies first: a slot is never overwritten while its copy runs
+        cache.engine->complete(N.il, N.policy);
+        if (N.policy.prefetch_experts(N.pred.data(), k) > 0) {
+            const int32_t none = -1;
+            cache.engine->sync(N.il, N.policy, &none, 0); // every change a background copy, waited for at N's step
+        }
+        N.pred_applied = true;
+    }
 }
 
 // Engine part of a step: the copies of the ubatch's fetches and admissions, then expert ids -> slot ids in dst
@@ -521,7 +600,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     const ggml_tensor * ids    = dst->src[0];
     const ggml_tensor * logits = dst->src[1];
-    const ggml_tensor * bias   = dst->src[2];
+    const ggml_tensor * bias   = L.src_bias >= 0 ? dst->src[L.src_bias] : nullptr;
 
     const int32_t k   = (int32_t) ids->ne[0];
     const int64_t T   = ids->ne[1];
@@ -556,10 +635,20 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         if (cache.engine) {
             cache.engine->sync(L.il, L.policy);
         }
+        L.pred_tokens = -1; // no prefetch for a bypassed ubatch
         L.bypass_tokens += (uint64_t) T;
         L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
         return;
     }
+
+    if (L.src_pred >= 0) {
+        route_predict(L, dst, T, banked);
+    }
+    // this layer's prediction, made by the previous MoE layer for this ubatch (a graph whose last layer computes
+    // only the output tokens has none for that layer: its rows are not those of the prediction)
+    const bool    have_pred  = L.pred_tokens == T;
+    const bool    apply_pred = have_pred && cache.cfg.prefetch && !L.pred_applied;
+    const int32_t k_pred     = cache.n_used;
 
     const bool need_probs = bias != nullptr || cache.trace != nullptr ||
         (L.gating == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !L.norm_w);
@@ -601,10 +690,14 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
             std::copy(w, w + k, L.gate_w.data() + t*k);
         }
 
+        if (apply_pred) {
+            L.policy.prefetch_experts(L.pred.data() + t*k_pred, k_pred);
+        }
         L.policy.decide(id, w, k, scores, out, act, sc);
 
         if (cache.trace) {
-            cache.trace_write(L, (uint32_t) (L.policy.tick - 1), id, w, out, act, bias ? scores : L.probs.data());
+            cache.trace_write(L, (uint32_t) (L.policy.tick - 1), id, w, out, act, bias ? scores : L.probs.data(),
+                have_pred ? L.pred.data() + t*k_pred : nullptr);
         }
 
     }
@@ -612,6 +705,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     if (group) {
         L.policy.end_group();
     }
+    L.pred_tokens = -1; // consumed
 
     if (cache.engine) {
         route_engine(L, dst, k, T, banked);
@@ -683,7 +777,9 @@ ggml_tensor * llama_expert_cache::build_route(
         bool           norm_w,
         bool           warmup,
         int            il,
-        ggml_tensor ** keep) {
+        ggml_tensor ** keep,
+        ggml_tensor  * pred_logits,
+        ggml_tensor  * pred_bias) {
     *keep = nullptr;
 
     if (warmup || ids->ne[0] > n_slots || ids->ne[1] == 0) {
@@ -722,10 +818,36 @@ ggml_tensor * llama_expert_cache::build_route(
     L.gating = gating;
     L.norm_w = norm_w;
 
-    ggml_tensor * args[3] = { ids, logits, exp_probs_b };
+    // sources: ids, logits, then the optional ones (their indices kept in L: the layout is the same in every graph)
+    ggml_tensor * args[5] = { ids, logits };
+    int n_args = 2;
+    L.src_bias = L.src_pred = L.src_pred_bias = -1;
+    if (exp_probs_b) {
+        L.src_bias = (int8_t) n_args;
+        args[n_args++] = exp_probs_b;
+    }
+    if (pred_logits && L.next_moe >= 0) {
+        GGML_ASSERT(pred_logits->type == GGML_TYPE_F32 && pred_logits->ne[0] == n_expert && pred_logits->ne[1] == ids->ne[1]);
+        L.src_pred = (int8_t) n_args;
+        args[n_args++] = pred_logits;
+        if (pred_bias) {
+            L.src_pred_bias = (int8_t) n_args;
+            args[n_args++] = pred_bias;
+        }
+    }
     ggml_tensor * route = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1,
-            args, exp_probs_b ? 3 : 2, llama_expert_cache_route, 1, &L);
+            args, n_args, llama_expert_cache_route, 1, &L);
     ggml_format_name(route, "moe_cache_route-%d", il);
+    static_assert(3 * sizeof(void *) <= LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS * sizeof(int32_t),
+        "the rows word lies after ggml_custom_op_params");
+    route->op_params[LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS] = 0;
+    if (L.src_pred >= 0) {
+        layers[L.next_moe]->pred_route = route; // the predicted layer's route op, built later in this graph, sets it
+    }
+    if (L.pred_route) {
+        L.pred_route->op_params[LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS] = (int32_t) ids->ne[1];
+        L.pred_route = nullptr;
+    }
 
     if (llama_expert_cache_config_scales_weights(cfg)) {
         ggml_tensor * kargs[1] = { route };
@@ -740,7 +862,13 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
         ggml_tensor * exp_probs_b, llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected,
         ggml_tensor *& weights, std::initializer_list<ggml_tensor **> expert_tensors) {
     ggml_tensor * keep  = nullptr;
-    ggml_tensor * route = build_route(g.ctx0, selected, logits, exp_probs_b, gating, norm_w, g.cparams.warmup, il, &keep);
+    ggml_tensor * pred_logits = nullptr;
+    ggml_tensor * pred_bias   = nullptr;
+    if ((cfg.prefetch || trace != nullptr) && !g.cparams.warmup) {
+        pred_logits = build_prediction(g, il, logits, &pred_bias);
+    }
+    ggml_tensor * route = build_route(g.ctx0, selected, logits, exp_probs_b, gating, norm_w, g.cparams.warmup, il, &keep,
+            pred_logits, pred_bias);
     const bool warmup_spare = route == selected && g.cparams.warmup && engine && !engine->files.empty() &&
         il >= 0 && il < n_layer && layers[il]->moe;
     if (warmup_spare) {
@@ -793,6 +921,43 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
     }
 }
 
+ggml_tensor * llama_expert_cache::build_prediction(const llm_graph_context & g, int il, ggml_tensor * logits,
+        ggml_tensor ** pred_bias) {
+    *pred_bias = nullptr;
+    if (il < 0 || il >= n_layer || !layers[il]->moe || layers[il]->next_moe < 0 || logits == nullptr) {
+        return nullptr;
+    }
+    // the layer's router input: logits = mul_mat(ffn_gate_inp, cur), possibly plus the router bias
+    ggml_tensor * mm = logits;
+    if (mm->op == GGML_OP_ADD && mm->src[0] != nullptr) {
+        mm = mm->src[0];
+    }
+    const auto & cur_layer = model->layers[il];
+    if (mm->op != GGML_OP_MUL_MAT || mm->src[0] != cur_layer.ffn_gate_inp || mm->src[1] == nullptr) {
+        if (cfg.prefetch && !warned_no_prediction) {
+            LLAMA_LOG_WARN("%s: prefetch: the router of layer %d is not a plain product with its input (precomputed "
+                "probabilities): no prediction from there\n", __func__, il);
+            warned_no_prediction = true;
+        }
+        return nullptr;
+    }
+    ggml_tensor * cur = mm->src[1];
+    const auto & next = model->layers[layers[il]->next_moe];
+    if (next.ffn_gate_inp->ne[0] != cur->ne[0] || next.ffn_gate_inp->ne[1] != n_expert) {
+        return nullptr;
+    }
+    ggml_tensor * pl = ggml_mul_mat(g.ctx0, next.ffn_gate_inp, cur); // [n_expert, n_tokens]
+    if (next.ffn_gate_inp_b) {
+        pl = ggml_add(g.ctx0, pl, next.ffn_gate_inp_b);
+    }
+    ggml_format_name(pl, "moe_cache_predict-%d", il);
+    if (next.ffn_exp_probs_b && next.ffn_exp_probs_b->type == GGML_TYPE_F32 &&
+            ggml_nelements(next.ffn_exp_probs_b) == n_expert && ggml_is_contiguous(next.ffn_exp_probs_b)) {
+        *pred_bias = next.ffn_exp_probs_b;
+    }
+    return pl;
+}
+
 void llama_expert_cache::chain_abort_callback(bool (*&cb)(void * data), void *& data) {
     if (!engine || engine->files.empty()) {
         return;
@@ -835,6 +1000,19 @@ ggml_tensor * llama_expert_cache::bank(int il, ggml_tensor * src) const {
 // statistics
 //
 
+llama_expert_engine_stats llama_expert_cache::engine_total() const {
+    GGML_ASSERT(engine);
+    auto e = engine->total();
+    for (const auto & L : layers) {
+        if (L->moe) {
+            const uint64_t bytes = engine->expert_bytes(L->il);
+            e.prefetch_bytes        += L->policy.stats.prefetches * bytes;
+            e.prefetch_wasted_bytes += L->policy.stats.prefetch_wasted * bytes;
+        }
+    }
+    return e;
+}
+
 llama_expert_policy_stats llama_expert_cache::total() const {
     llama_expert_policy_stats t;
     for (const auto & L : layers) {
@@ -867,8 +1045,14 @@ void llama_expert_cache::print_stats() const {
         t.max_subst_weight, (unsigned long long) t.drops, (unsigned long long) t.host_computes, (unsigned long long) t.skips,
         (unsigned long long) t.admissions, (unsigned long long) t.evictions,
         t.token_layers ? t.subst_mass_sum / t.token_layers : 0.0, route_tokens ? 1e-3 * route_ns / route_tokens : 0.0);
+    if (cfg.prefetch) {
+        LLAMA_LOG_INFO("%s: expert cache prefetch: %llu experts prefetched (%.2f per token-layer), %llu used before "
+            "eviction (%.1f%%), %llu evicted unused\n", __func__, (unsigned long long) t.prefetches,
+            ratio(t.prefetches, t.token_layers), (unsigned long long) t.prefetch_used,
+            100.0 * ratio(t.prefetch_used, t.prefetches), (unsigned long long) t.prefetch_wasted);
+    }
     if (engine) {
-        const auto e = engine->total();
+        const auto e = engine_total();
         LLAMA_LOG_INFO("%s: expert cache engine: banks %.2f MiB, %llu experts copied (%.2f MiB in %llu copies, %.3f ms), "
             "%llu in the background (%s, %llu deferred, %.3f ms waited)\n",
             __func__, engine->total_size()/1024.0/1024.0, (unsigned long long) e.copied_experts,
@@ -946,6 +1130,7 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "    \"ser_t\": %.9g,\n", cfg.ser_t);
     fprintf(f, "    \"renorm\": %s,\n", cfg.renorm ? "true" : "false");
     fprintf(f, "    \"light\": \"%s\",\n", cfg.light_host ? "host" : "substitute");
+    fprintf(f, "    \"prefetch\": %s,\n", cfg.prefetch ? "true" : "false");
     fprintf(f, "    \"slots\": %d,\n", n_slots);
     fprintf(f, "    \"n_expert\": %d,\n", n_expert);
     fprintf(f, "    \"n_expert_used\": %d,\n", n_used);
@@ -962,7 +1147,7 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
         route_tokens += L->route_tokens;
     }
     if (engine) {
-        const auto e = engine->total();
+        const auto e = engine_total();
         fprintf(f, "  \"engine\": {\"bank_bytes\": %llu, ", (unsigned long long) engine->total_size());
 #define LLAMA_EXPERT_COUNTER_JSON(field, metric, help) \
         fprintf(f, "\"" #field "\": %llu, ", (unsigned long long) e.field);

@@ -28,7 +28,11 @@ struct llm_graph_context;
 #define LLAMA_EXPERT_CACHE_ENV "LLAMA_MOE_CACHE"
 
 #define LLAMA_EXPERT_STATS_SCHEMA_VERSION 1
-#define LLAMA_EXPERT_TRACE_VERSION        1
+// the route op's op_params word (int32 index, after ggml's custom-op parameters) that holds the rows of the predicted
+// layer's route op in the same graph (prefetch)
+#define LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS 12
+
+#define LLAMA_EXPERT_TRACE_VERSION        2 // 2: + the prefetch prediction per record (1 is still read)
 
 struct llama_expert_cache;
 
@@ -58,11 +62,31 @@ struct llama_expert_cache_layer {
     std::vector<uint8_t> actions;
     std::vector<float>   scales;
 
+    // prefetch (prefetch=on, or a trace): the next MoE layer (-1: none, or this layer's router input was not found
+    // when the graph was built), and where the route op finds its sources (-1: absent)
+    int32_t next_moe       = -1;
+    int8_t  src_bias       = -1; // this layer's selection bias (exp_probs_b)
+    int8_t  src_pred       = -1; // the next MoE layer's router logits on this layer's input, [n_expert, n_tokens]
+    int8_t  src_pred_bias  = -1; // the next MoE layer's selection bias
+
+    // the prediction for this layer, made by the previous MoE layer's route step in the same graph: the k
+    // experts per token of its ubatch ([pred_tokens][k]); pred_tokens -1: none; pred_applied: already prefetched
+    // (engine, one-token ubatches: at the predicting layer's step, so that the copies overlap the layers between)
+    std::vector<int32_t> pred;
+    int64_t pred_tokens  = -1;
+    bool    pred_applied = false;
+    // graph build: the predicting layer's route op in the graph being built, whose op_params word
+    // LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS this layer's route op sets to its rows (0 when this layer has no route op
+    // in that graph, e.g. a last layer computing no output token): the predicting layer prefetches early only for
+    // a token this layer decides, as emulate mode does
+    ggml_tensor * pred_route = nullptr;
+
     // scratch
     std::vector<float>   probs;
     std::vector<float>   scores;
     std::vector<float>   w;
     std::vector<int32_t> top;
+    std::vector<float>   pred_probs;
 
     // LLAMA_MOE_CACHE_TEST_GATING (tests): the route step's gate weights of the last ubatch, [n_tokens][k], and the
     // ratio of the graph's weights to them over the run (1, or the model's expert_weights_scale, when they agree)
@@ -107,7 +131,7 @@ struct llama_expert_cache {
     // so that a warmup run does not count)
     void reset();
 
-    // Build the route step for layer il. ids: the selected experts [k, n_tokens] (I32); logits: the router
+    // Build the route step for layer il (pred_logits: build_prediction's, a source of the route op). ids: the selected experts [k, n_tokens] (I32); logits: the router
     // logits [n_expert, n_tokens] (F32, after any router bias); exp_probs_b: the selection bias or null.
     // Returns the ids tensor the expert ops must use, or `ids` itself when no route step applies to this
     // graph (warmup, or more experts per token than slots). When the rule can change the gate weights (drops,
@@ -122,9 +146,23 @@ struct llama_expert_cache {
             bool           norm_w,
             bool           warmup,
             int            il,
-            ggml_tensor ** keep);
+            ggml_tensor ** keep,
+            ggml_tensor  * pred_logits = nullptr,
+            ggml_tensor  * pred_bias   = nullptr);
+
+    // prefetch (prefetch=on, or a trace): the next MoE layer's router logits on layer il's router input (found as
+    // the src[1] of logits' product with ffn_gate_inp, before any router bias), [n_expert, n_tokens]; *pred_bias:
+    // that layer's selection bias, or null. Null when layer il has no next MoE layer or its input is not found.
+    ggml_tensor * build_prediction(const llm_graph_context & g, int il, ggml_tensor * logits, ggml_tensor ** pred_bias);
+    bool warned_no_prediction = false;
 
     llama_expert_policy_stats total() const;
+
+    // the engine's counters summed over layers, with the bytes of the prefetched experts (policy counts times
+    // the layer's bytes per expert)
+    llama_expert_engine_stats engine_total() const;
+
+    const llama_model * model = nullptr; // the model's router weights predict the next layer (prefetch)
 
     // mode=engine: real cache banks (null in emulate mode)
     std::unique_ptr<llama_expert_engine> engine;
@@ -167,5 +205,5 @@ struct llama_expert_cache {
 
     void trace_open();
     void trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
-                     const int32_t * out, const uint8_t * act, const float * scores);
+                     const int32_t * out, const uint8_t * act, const float * scores, const int32_t * pred);
 };

@@ -688,6 +688,14 @@ void llama_expert_engine::reset_stats() {
     }
 }
 
+uint64_t llama_expert_engine::expert_bytes(int32_t il) const {
+    uint64_t n = 0;
+    for (const auto & b : layers[il].banks) {
+        n += b.stride;
+    }
+    return n;
+}
+
 llama_expert_engine_stats llama_expert_engine::total() const {
     llama_expert_engine_stats t;
     for (const auto & L : layers) {

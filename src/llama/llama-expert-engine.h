@@ -204,6 +204,9 @@ struct llama_expert_engine {
 
     llama_expert_engine_stats total() const;
 
+    // bytes of one expert of layer il in all of its banks (what a copy of it moves)
+    uint64_t expert_bytes(int32_t il) const;
+
     size_t total_size() const;
     std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const;
 

@@ -15,8 +15,8 @@
 
 static const char * LLAMA_EXPERT_CACHE_KEYS =
     "mode, policy, rule, tau, tau_file, j, m, alpha, kmin, t, lo, hi, renorm, light, evict, admit, halve, half_life, classes, "
-    "slots, ram_slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, profile, profile_out, stats, trace, "
-    "trace_top";
+    "slots, ram_slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, prefetch, profile, profile_out, "
+    "stats, trace, trace_top";
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule) {
     switch (rule) {
@@ -339,6 +339,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             } else {
                 return bad_value(err, key, val, "substitute (a resident expert computes instead) or host (the host computes the missed expert)");
             }
+        } else if (key == "prefetch") {
+            if (val == "on") {
+                cfg.prefetch = true;
+            } else if (val == "off") {
+                cfg.prefetch = false;
+            } else {
+                return bad_value(err, key, val, "on (admit the experts the next MoE layer's router predicts, in the background) or off");
+            }
         } else if (key == "evict") {
             if      (val == "lfu")      { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
             else if (val == "lru")      { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
@@ -561,6 +569,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             }
         }
     }
+    if (cfg.prefetch && cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE && cfg.async == LLAMA_EXPERT_ASYNC_OFF) {
+        err = "prefetch=on copies the predicted experts in the background, and async=off makes every copy synchronous (it "
+            "would delay the token): remove one of prefetch=on and async=off";
+        return false;
+    }
     if (cfg.light_host && cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
         err = "light=host (experts computed on the host) is not implemented in mode=engine yet: use mode=emulate, or light=substitute";
         return false;
@@ -658,6 +671,7 @@ void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const 
     band_hi     = cfg.band_hi;
     renorm      = cfg.renorm;
     light_host  = cfg.light_host;
+    prefetch    = cfg.prefetch;
 
     initial.resize(n_slots);
     for (int32_t s = 0; s < n_slots; ++s) {
@@ -699,6 +713,10 @@ void llama_expert_layer_policy::reset() {
     window.clear();
     window_tick = 0;
     pending.clear();
+    pf_unused.assign(n_expert, 0);
+    pf_mark.assign(n_expert, 0);
+    pf_tick     = 0;
+    in_prefetch = false;
     tick  = 0;
     stats = llama_expert_policy_stats();
     ram_of.assign(n_ram > 0 ? n_expert : 0, -1);
@@ -768,10 +786,54 @@ void llama_expert_layer_policy::place(int32_t e, int32_t slot) {
     const int32_t old = expert_of[slot];
     if (old >= 0) {
         slot_of[old] = -1;
+        if (pf_unused[old]) {
+            pf_unused[old] = 0;
+            stats.prefetch_wasted++;
+        }
     }
     expert_of[slot] = e;
     slot_of[e]      = slot;
     admit_acc[e]    = 0.0;
+    pf_unused[e]    = 0;
+}
+
+bool llama_expert_layer_policy::busy(int32_t e) const {
+    if (in_group && hold_mark[e] == group) {
+        return true; // computed with by a token of the current group
+    }
+    if (in_prefetch) {
+        return pf_mark[e] == pf_tick; // another expert of the prediction being applied (between two tokens)
+    }
+    return sel_mark[e] == tick || sub_mark[e] == tick; // selected by, or a substitute of, the token being decided
+}
+
+int32_t llama_expert_layer_policy::prefetch_experts(const int32_t * ids, int32_t n) {
+    ++pf_tick;
+    for (int32_t r = 0; r < n; ++r) {
+        if (ids[r] >= 0 && ids[r] < n_expert) {
+            pf_mark[ids[r]] = pf_tick;
+        }
+    }
+    in_prefetch = true;
+    int32_t added = 0;
+    for (int32_t r = 0; r < n; ++r) {
+        const int32_t e = ids[r];
+        if (e < 0 || e >= n_expert || slot_of[e] >= 0) {
+            continue;
+        }
+        const int32_t slot = find_slot();
+        if (slot < 0) {
+            break; // every slot is held by the group or by this prediction
+        }
+        place(e, slot);
+        ram_load(e);
+        last_use[e]  = tick;
+        pf_unused[e] = 1;
+        stats.prefetches++;
+        ++added;
+    }
+    in_prefetch = false;
+    return added;
 }
 
 double llama_expert_layer_policy::classlru_count(int32_t e) const {
@@ -813,7 +875,7 @@ int32_t llama_expert_layer_policy::find_slot() {
             if (e < 0) {
                 return s;
             }
-            if (sel_mark[e] == tick || sub_mark[e] == tick || (in_group && hold_mark[e] == group)) {
+            if (busy(e)) {
                 continue;
             }
             const int32_t c = classlru_class(e);
@@ -846,7 +908,7 @@ int32_t llama_expert_layer_policy::find_slot() {
             return s;
         }
         // never evict an expert used by the token being decided, or by an earlier token of the group
-        if (sel_mark[e] == tick || sub_mark[e] == tick || (in_group && hold_mark[e] == group)) {
+        if (busy(e)) {
             continue;
         }
         if (best < 0) {
@@ -992,6 +1054,10 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
 
         if (slot_of[e] >= 0) {
             stats.hits++;
+            if (pf_unused[e]) {
+                pf_unused[e] = 0;
+                stats.prefetch_used++;
+            }
             last_use[e]    = tick;
             ram_touch(e);
             out_ids[r]     = e;
@@ -1077,6 +1143,10 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         mass += w[r];
         sub_mark[sub]  = tick;
         last_use[sub]  = tick;
+        if (pf_unused[sub]) {
+            pf_unused[sub] = 0;
+            stats.prefetch_used++;
+        }
         ram_touch(sub);
         out_ids[r]     = sub;
         out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
@@ -1294,6 +1364,10 @@ void llama_expert_policy_warm(llama_expert_layer_policy & p, const std::vector<u
         const int32_t old = p.expert_of[s];
         if (old >= 0) {
             p.slot_of[old] = -1;
+            if (p.pf_unused[old]) {
+                p.pf_unused[old] = 0;
+                p.stats.prefetch_wasted++;
+            }
         }
         p.expert_of[s]  = e;
         p.slot_of[e]    = s;

@@ -133,6 +133,10 @@ struct llama_expert_cache_config {
     // rules that substitute: a light miss (not fetched by rank or weight) is computed on the host (light=host)
     bool light_host = false;
 
+    // prefetch=on: the next MoE layer's router applied to this layer's input predicts that layer's k experts; the
+    // predicted ones that are not resident are admitted in the background before that layer decides the token
+    bool prefetch = false;
+
     // residency: slots_count >= 0 wins, otherwise slots_pct percent of the layer's experts
     int32_t slots_count = -1;
     float   slots_pct   = 25.0f;
@@ -239,6 +243,13 @@ struct llama_expert_layer_policy {
     void begin_group();
     void end_group();
 
+    // prefetch=on: admit the predicted experts ids[0..n) (rank order; -1 entries are skipped) that are not
+    // resident, before the layer decides the token they were predicted for, as background admissions (the copy is
+    // idealised: it completes before that decision). Victims by the eviction policy; never another expert of the
+    // same prediction, nor one held by the current group. Returns the number admitted (counter prefetches; an
+    // admitted expert counts prefetch_used when a token computes with it, prefetch_wasted when it is evicted first).
+    int32_t prefetch_experts(const int32_t * ids, int32_t n);
+
     bool    is_resident(int32_t e) const { return slot_of[e] >= 0; }
     int32_t n_resident() const;
 
@@ -262,6 +273,7 @@ struct llama_expert_layer_policy {
     float                  band_hi     = 1.0f;
     bool                   renorm      = false;
     bool                   light_host  = false;
+    bool                   prefetch    = false;
 
     // choose substitutes from a per-token list of the best candidates (same result as a full scan per
     // substitution, which is what false does; kept for tests)
@@ -297,6 +309,10 @@ struct llama_expert_layer_policy {
     uint64_t              group    = 0;
     bool                  in_group = false;
     std::vector<int32_t>  pending;  // experts to admit at the end of the token
+    std::vector<uint8_t>  pf_unused; // 1: admitted by prefetch and not computed with yet
+    std::vector<uint64_t> pf_mark;   // == pf_tick: predicted by the prefetch being applied
+    uint64_t              pf_tick     = 0;
+    bool                  in_prefetch = false;
     std::vector<int32_t>  cand;     // best-scored resident, non-selected experts of the token (built on demand)
     uint64_t              cand_tick = 0;
     std::vector<int32_t>  window;   // cache-route: the router's top m experts of the token, best first (on demand)
@@ -311,6 +327,7 @@ struct llama_expert_layer_policy {
 
 private:
     int32_t find_slot(); // free slot or a victim not used by the current token; -1 if none
+    bool    busy(int32_t e) const; // e may not be evicted now (used by the token, held by the group, predicted)
     void    ram_load(int32_t e);  // three tiers: e is loaded into a slot, from the RAM tier or through it
     void    ram_touch(int32_t e); // three tiers: e is used
     int32_t find_substitute(const float * scores, bool allow_reuse);

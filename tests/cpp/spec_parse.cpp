@@ -58,7 +58,7 @@ int main(int argc, char ** argv) {
         const std::vector<std::string> keys = { "mode", "policy", "rule", "tau", "evict", "admit", "halve", "slots",
             "vram", "vram_reserve", "ram", "bypass", "group", "async", "host", "readers", "direct", "tau_file", "ram_slots",
             "profile", "profile_out", "stats", "trace", "trace_top", "j", "m", "alpha", "kmin", "t", "renorm", "light",
-            "half_life", "classes", "bogus", "", " ", "==" };
+            "half_life", "classes", "prefetch", "bogus", "", " ", "==" };
         const std::vector<std::string> vals = { "engine", "emulate", "off", "quality", "speed", "fetch-all", "threshold",
             "drop", "0.15", "-1", "1e9", "25%", "200%", "0", "16", "24G", "24GB", "1.5.3G", "lfu", "lru", "on", "auto",
             "thread", "file", "ram", "cache-route", "zero", "ser", "classlru", "host", "substitute", "0.5", "1.5", "x", "",

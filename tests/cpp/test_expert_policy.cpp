@@ -810,6 +810,99 @@ static void test_ram_tier() {
     }
 }
 
+// prefetch=on: predicted experts admitted before the token they were predicted for; used-before-eviction and
+// wasted accounting
+static void test_prefetch() {
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("policy=quality,prefetch=on", cfg, err) && cfg.prefetch);
+    CHECK(llama_expert_cache_config_parse("policy=quality,prefetch=off", cfg, err) && !cfg.prefetch);
+    CHECK(llama_expert_cache_config_parse("policy=quality", cfg, err) && !cfg.prefetch);
+    CHECK(!llama_expert_cache_config_parse("prefetch=yes", cfg, err) && err.find("'prefetch'") != std::string::npos &&
+          err.find("on") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("prefetch=on,prefetch=off", cfg, err) && err.find("'prefetch'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("mode=engine,async=off,prefetch=on", cfg, err) &&
+          err.find("prefetch=on") != std::string::npos && err.find("async=off") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("mode=engine,async=thread,prefetch=on", cfg, err) && cfg.prefetch);
+    CHECK(llama_expert_cache_config_parse("mode=off,prefetch=on", cfg, err) && cfg.off_ignored == "prefetch");
+
+    const std::vector<float> scores(6, 0.0f);
+    {
+        // LRU, k = 1, resident 0, 1, 2
+        llama_expert_layer_policy p;
+        p.init(6, 3, cfg_of("rule=fetch-all,evict=lru,slots=3,prefetch=on"));
+        CHECK(p.prefetch);
+        for (int e : { 0, 1, 2 }) {
+            step(p, { e }, { 1.0f }, scores);
+        }
+        const int32_t a[1] = { 4 };
+        CHECK(p.prefetch_experts(a, 1) == 1); // evicts 0, the least recently used
+        CHECK(p.is_resident(4) && !p.is_resident(0) && p.stats.prefetches == 1 && p.stats.evictions == 1);
+        CHECK(p.stats.calls == 3 && p.stats.token_layers == 3); // a prefetch is no decision
+        CHECK(step(p, { 4 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_HIT);
+        CHECK(p.stats.prefetch_used == 1 && p.stats.fetches == 0);
+        step(p, { 4 }, { 1.0f }, scores); // a second use counts once
+        CHECK(p.stats.prefetch_used == 1);
+        const int32_t b[2] = { 5, 4 };
+        CHECK(p.prefetch_experts(b, 2) == 1); // 4 is resident; 5 evicts 1 (4, predicted too, is kept)
+        CHECK(p.is_resident(5) && p.is_resident(4) && !p.is_resident(1) && p.stats.prefetches == 2);
+        step(p, { 2 }, { 1.0f }, scores);
+        step(p, { 4 }, { 1.0f }, scores);
+        CHECK(step(p, { 3 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_FETCH); // evicts 5, never used
+        CHECK(!p.is_resident(5) && p.stats.prefetch_wasted == 1 && p.stats.prefetch_used == 1);
+        CHECK(p.stats.prefetches == 2 && p.stats.evictions == 3 && p.stats.fetches == 1);
+        p.reset();
+        CHECK(p.stats.prefetches == 0 && p.is_resident(0) && !p.is_resident(4));
+    }
+    {
+        // a prediction never evicts its own experts: 2 slots, 3 predicted: 2 admitted
+        llama_expert_layer_policy p;
+        p.init(6, 2, cfg_of("rule=fetch-all,evict=lfu,slots=2"));
+        const int32_t a[3] = { 3, 4, 5 };
+        CHECK(p.prefetch_experts(a, 3) == 2);
+        CHECK(p.is_resident(3) && p.is_resident(4) && !p.is_resident(5) && p.stats.prefetches == 2);
+        // -1 entries (no prediction) are skipped
+        const int32_t none[2] = { -1, -1 };
+        CHECK(p.prefetch_experts(none, 2) == 0 && p.stats.prefetches == 2);
+        // the experts of the previous token are not protected (the prefetch comes between two tokens)
+        step(p, { 3 }, { 1.0f }, scores);
+        const int32_t c[1] = { 0 };
+        CHECK(p.prefetch_experts(c, 1) == 1 && p.is_resident(0) && p.is_resident(3) && !p.is_resident(4));
+        CHECK(p.stats.prefetch_wasted == 1 && p.stats.prefetch_used == 1); // 4 evicted unused, 3 used
+    }
+    {
+        // in a group, the experts its tokens computed with are held
+        llama_expert_layer_policy p;
+        p.init(6, 3, cfg_of("rule=fetch-all,evict=lru,slots=3"));
+        p.begin_group();
+        step(p, { 0 }, { 1.0f }, scores);
+        const int32_t a[3] = { 3, 4, 5 };
+        CHECK(p.prefetch_experts(a, 3) == 2 && p.is_resident(0) && p.is_resident(3) && p.is_resident(4));
+        step(p, { 5 }, { 1.0f }, scores); // fetched: evicts 3 (LRU among the unheld, ties lowest id)
+        p.end_group();
+        CHECK(p.is_resident(0) && p.is_resident(5) && p.stats.prefetch_wasted == 1);
+    }
+    {
+        // a prefetched expert used as a substitute counts as used
+        llama_expert_layer_policy p;
+        p.init(6, 2, cfg_of("rule=substitute-all,admit=off,evict=lru,slots=2"));
+        std::vector<float> sc = { 0.1f, 0.2f, 0, 0, 0, 0.9f };
+        const int32_t a[1] = { 5 };
+        CHECK(p.prefetch_experts(a, 1) == 1 && p.is_resident(5));
+        auto r = step(p, { 3 }, { 1.0f }, sc);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[0] == 5 && p.stats.prefetch_used == 1);
+    }
+    {
+        // the prefill bypass's warm-up evicting a prefetched expert unused counts it wasted
+        llama_expert_layer_policy p;
+        p.init(6, 2, cfg_of("rule=fetch-all,evict=lru,slots=2"));
+        const int32_t a[1] = { 5 };
+        p.prefetch_experts(a, 1);
+        llama_expert_policy_warm(p, { 4, 3, 0, 0, 0, 0 });
+        CHECK(p.is_resident(0) && p.is_resident(1) && !p.is_resident(5) && p.stats.prefetch_wasted == 1);
+    }
+}
+
 int main() {
     test_parse();
     test_ram_tier();
@@ -826,6 +919,7 @@ int main() {
     test_random();
     test_fast_substitute();
     test_group();
+    test_prefetch();
     if (n_fail) {
         std::fprintf(stderr, "%d checks failed\n", n_fail);
         return 1;

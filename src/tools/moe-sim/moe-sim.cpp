@@ -66,6 +66,9 @@ struct moe_sim_trace {
     size_t off_actions()   const { return 8 + 12*(size_t) k; }
     size_t off_top_ids()   const { return 8 + 12*(size_t) k + ((k + 3) & ~3u); }
     size_t off_top_score() const { return off_top_ids() + 4*(size_t) top_m; }
+    // version 2: the previous MoE layer's prediction for the record (prefetch), k ids, -1 where none
+    bool   has_pred()      const { return version >= 2; }
+    size_t off_pred()      const { return off_top_score() + 4*(size_t) top_m; }
 };
 
 static bool moe_sim_fail(std::string & err, const std::string & msg) {
@@ -99,10 +102,10 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
     tr.top_m       = h[5];
     tr.record_size = h[6];
     tr.n_slots     = h[7];
-    if (tr.version != LLAMA_EXPERT_TRACE_VERSION || hsize != MOE_SIM_TRACE_HEADER_SIZE) {
+    if (tr.version < 1 || tr.version > LLAMA_EXPERT_TRACE_VERSION || hsize != MOE_SIM_TRACE_HEADER_SIZE) {
         std::fclose(f);
         return moe_sim_fail(err, "'" + path + "': trace version " + std::to_string(tr.version) + " (header " +
-            std::to_string(hsize) + " bytes); this tool reads version " + std::to_string(LLAMA_EXPERT_TRACE_VERSION));
+            std::to_string(hsize) + " bytes); this tool reads versions 1 to " + std::to_string(LLAMA_EXPERT_TRACE_VERSION));
     }
     if (tr.n_layer == 0 || tr.n_layer > LLAMA_MAX_LAYERS || tr.n_expert == 0 || tr.n_expert > LLAMA_MAX_EXPERTS ||
             tr.k == 0 || tr.k > tr.n_expert || tr.top_m > tr.n_expert) {
@@ -111,11 +114,11 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
             ", n_expert " + std::to_string(tr.n_expert) + ", k " + std::to_string(tr.k) + ", top_m " +
             std::to_string(tr.top_m) + ")");
     }
-    const uint32_t want_rsize = 8 + 12*tr.k + ((tr.k + 3) & ~3u) + 8*tr.top_m;
+    const uint32_t want_rsize = 8 + 12*tr.k + ((tr.k + 3) & ~3u) + 8*tr.top_m + (tr.version >= 2 ? 4*tr.k : 0);
     if (tr.record_size != want_rsize) {
         std::fclose(f);
         return moe_sim_fail(err, "'" + path + "': record size " + std::to_string(tr.record_size) +
-            " does not match k = " + std::to_string(tr.k) + ", top_m = " + std::to_string(tr.top_m) +
+            " does not match version " + std::to_string(tr.version) + ", k = " + std::to_string(tr.k) + ", top_m = " + std::to_string(tr.top_m) +
             " (" + std::to_string(want_rsize) + ")");
     }
 
@@ -168,6 +171,15 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
             for (uint32_t b = a + 1; b < tr.k; ++b) {
                 if (ids[a] == ids[b]) {
                     return moe_sim_fail(err, where + " selects expert " + std::to_string(ids[a]) + " twice");
+                }
+            }
+        }
+        if (tr.has_pred()) {
+            std::memcpy(ids.data(), rec + tr.off_pred(), 4*tr.k);
+            for (int32_t e : ids) {
+                if (e < -1 || e >= E) {
+                    return moe_sim_fail(err, where + " predicts expert " + std::to_string(e) + " (n_expert " + std::to_string(E) +
+                        "; -1: no prediction)");
                 }
             }
         }
@@ -262,6 +274,10 @@ static void moe_sim_replay_layer(const moe_sim_trace & tr, uint32_t il, llama_ex
         for (uint32_t j = 0; j < tr.top_m; ++j) {
             scores[top[j]] = top_s[j];
         }
+        if (pol.prefetch) {
+            // the prediction the previous MoE layer made for this token-layer, admitted before the decision
+            pol.prefetch_experts((const int32_t *) (rec + tr.off_pred()), (int32_t) k);
+        }
         pol.decide(ids, w, (int32_t) k, scores.data(), out.data(), act.data());
         for (uint32_t j = 0; j < tr.top_m; ++j) {
             scores[top[j]] = -INFINITY;
@@ -335,7 +351,8 @@ static void moe_sim_usage(const char * argv0) {
         "  -t, --trace FILE   the router trace (required)\n"
         "  -s, --spec SPEC    cache spec, as LLAMA_MOE_CACHE takes it, e.g. \"policy=quality,slots=25%%\"\n"
         "                     (default: \"policy=fetch-all\"); profile=, profile_out= and stats= apply,\n"
-        "                     trace= is ignored (the trace is the input)\n"
+        "                     trace= is ignored (the trace is the input); prefetch=on replays the trace's\n"
+        "                     predictions (version 2: every trace records them)\n"
         "  -o, --stats FILE   write the statistics JSON to FILE (default: the spec's stats=, else stdout)\n"
         "  -j, --threads N    threads; MoE layers are replayed in parallel (default: the CPUs, at most the\n"
         "                     MoE layers)\n"
@@ -453,6 +470,11 @@ int main(int argc, char ** argv) {
     }
     if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF) {
         std::fprintf(stderr, "llama-moe-sim: error: --spec '%s' turns the cache off: nothing to replay\n", spec.c_str());
+        return 2;
+    }
+    if (cfg.prefetch && !tr.has_pred()) {
+        std::fprintf(stderr, "llama-moe-sim: error: --spec '%s': prefetch=on replays the predictions of a version-2 trace, "
+            "and '%s' is version %u: record it again with this build\n", spec.c_str(), trace_path.c_str(), tr.version);
         return 2;
     }
     // a replay decides without moving memory, whatever mode the spec names: emulate
