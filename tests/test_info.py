@@ -101,3 +101,14 @@ def test_cli_info_with_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert re.search(r"4 expert slots per\s+layer", out)
     assert main(["info", str(model), "--vram", "1G"]) == 0
     assert re.search(r"nothing is\s+offloaded", capsys.readouterr().out)
+
+
+def test_cli_info_names_the_mtp_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-4.5's NextN/MTP layer: in block_count, not an MoE layer for the cache, said so."""
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    model = write_synth_model(SynthSpec(arch="glm4moe", n_layer=3, n_dense_lead=1, n_nextn=1, n_expert=8,
+                                        n_expert_used=2), tmp_path / "glm.gguf")
+    assert main(["info", str(model)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "4, of which MoE: 2; the last 1 NextN/MTP" in out
