@@ -119,16 +119,16 @@ def read_model_info(path: str | Path) -> ModelInfo:
     gating_id = _field(reader, f"{arch}.expert_gating_func")
     norm = _field(reader, f"{arch}.expert_weights_norm")
     n_nextn = int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
-    if not 0 <= n_nextn < n_layers:
+    if n_nextn and not 0 < n_nextn < n_layers:
         raise HarnessError(f"{p}: {arch}.nextn_predict_layers={n_nextn} is not below block_count={n_layers}")
-    n_trunk = n_layers - n_nextn
+    n_trunk = n_layers - n_nextn if n_nextn else None  # layers >= n_trunk are the MTP layers
 
     experts: list[ExpertTensor] = []
     moe_layers: set[int] = set()
     shexp_layers: set[int] = set()
     non_expert = nextn = 0
     for t in tensors:
-        if (b := _BLOCK_RE.match(t.name)) is not None and int(b.group(1)) >= n_trunk:
+        if n_trunk is not None and (b := _BLOCK_RE.match(t.name)) is not None and int(b.group(1)) >= n_trunk:
             nextn += int(t.n_bytes)
             continue
         m = _EXPS_RE.match(t.name)
@@ -170,7 +170,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
         non_expert_bytes=non_expert,
         file_bytes=file_bytes,
         file_type=",".join(sorted(weights)),
-        kv_bytes_per_cell=_kv_bytes_per_cell(reader, arch, n_trunk),
+        kv_bytes_per_cell=_kv_bytes_per_cell(reader, arch, n_layers if n_trunk is None else n_trunk),
         n_nextn_layers=n_nextn,
         nextn_bytes=nextn,
     )
