@@ -10,10 +10,15 @@
 #    has no network): the trees come from the bundle that scripts/gpu_bundle.sh made (carry .gpu), the build
 #    runs with ./build.sh --offline, and the harness runs from the checkout with the machine's python3
 #    (numpy) and the pinned tree's gguf-py;
-# 2. generates a synthetic MoE with the study's expert shape: 512 experts per layer of 2048x512 (n_embd 2048,
-#    expert FFN 512), top-10, --layers N layers (default 4), --dtype q4_k_m (default: written in f16 and quantized
-#    by the build's llama-quantize, harness synth --quantize Q4_K_M: gate/up experts Q4_K, the down experts of
-#    the layers llama-quantize gives more bits in Q6_K, as in the Q4_K_M GGUFs people run);
+# 2. generates a synthetic MoE of the study's layout and expert shape: qwen3next (Qwen3-Next: linear-attention and
+#    gated full-attention layers alternating, a gated shared expert of 512), 512 experts per layer of 2048x512
+#    (n_embd 2048, expert FFN 512), top-10, --layers N layers (default 2: one of each attention kind; the study's
+#    model has 48), --dtype q4_k_m (default: written in f16 and quantized by the build's llama-quantize on every
+#    core, harness synth --quantize Q4_K_M: gate/up experts Q4_K, the down experts of the layers llama-quantize
+#    gives more bits in Q6_K, as in the Q4_K_M GGUFs people run). The default model (2 layers): 6.3 GiB of f16
+#    written, 1.9 GiB at Q4_K_M; 424 CPU-seconds in all, about 125 writing (6 large tensors encoded at once) and
+#    300 quantizing (every core); measured 2026-12-01 on the shared 2-core machine (load 10-13): 18 minutes
+#    wall; on the 16-core machine about a minute;
 # 3. a VRAM budget that holds the non-expert weights plus about --budget-pct (default 25) percent of the experts
 #    (plus a reserve for the KV cache and compute buffers);
 # 4. llama-bench, decode (tg64) and prompt (pp512), under that budget:
@@ -30,7 +35,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dry=0
 offline=0
-layers=4
+layers=2
 dtype=q4_k_m
 budget_pct=25
 reps=3
@@ -46,7 +51,7 @@ while [ $# -gt 0 ]; do
         --reps) reps=${2:?}; shift ;;
         --cuda-arch) cuda_arch=${2:?}; shift ;;
         --out) out=${2:?}; shift ;;
-        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: error: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -101,7 +106,7 @@ while [ "$ncmoe" -gt 0 ]; do
     ncmoe=$((ncmoe - 1))
 done
 
-model="$out/synth-e${n_expert}k${top_k}-L${layers}-${dtype}.gguf"
+model="$out/synth-qwen3next-e${n_expert}k${top_k}-L${layers}-${dtype}.gguf"
 if [ "$offline" = 0 ] && [ -f "$root/.gpu/trees.tar.xz" ] && [ ! -x "$root/.venv/bin/python" ]; then
     offline=1
 fi
@@ -150,8 +155,9 @@ if [ ! -f "$model" ]; then
     else
         synth_type=(--dtype "$dtype")
     fi
-    run "${harness[@]}" synth -o "$model" --arch qwen3moe --layers "$layers" --experts "$n_expert" --top-k "$top_k" \
-        --embd "$n_embd" --ff "$n_ff" --heads 16 --kv-heads 4 --vocab 32000 "${synth_type[@]}" --seed 1
+    run "${harness[@]}" synth -o "$model" --arch qwen3next --layers "$layers" --experts "$n_expert" --top-k "$top_k" \
+        --embd "$n_embd" --ff "$n_ff" --ff-shexp "$n_ff" --heads 16 --kv-heads 4 --vocab 32000 "${synth_type[@]}" \
+        --seed 1
 fi
 echo "gpu_check: model ready after $(( $(date +%s) - t0 )) s"
 

@@ -444,6 +444,7 @@ def test_gpu_check_dry_run() -> None:
     out = res.stdout
     assert "build.sh --cuda --cuda-arch 90" in out
     assert "harness synth" in out and "--experts 512" in out and "--top-k 10" in out
+    assert "--arch qwen3next" in out and "--embd 2048 --ff 512 --ff-shexp 512" in out  # the study's layout and shape
     budget = int(out.split("VRAM budget ")[1].split(" MiB")[0])
     ncmoe = int(out.split("--n-cpu-moe ")[1].split()[0])
     assert 0 < ncmoe <= 8

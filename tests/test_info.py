@@ -12,9 +12,12 @@ from harness.core.errors import HarnessError, NotMoEError
 from harness.parsers.gguf_model import read_model_info
 
 
-def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: int = 16, k: int = 2) -> Path:
+def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: int = 16, k: int = 2,
+           nextn: int = 0) -> Path:
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(n_layer)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_embedding_length(n_embd)
     rng = np.random.default_rng(0)
     w.add_tensor("token_embd.weight", rng.standard_normal((100, n_embd), dtype=np.float32))
@@ -46,6 +49,18 @@ def test_reads_expert_numbers(tmp_path: Path) -> None:
     assert info.bytes_per_expert_tensor == {"gate.weight": 2048, "up.weight": 2048, "down.weight": 2048}
     assert info.expert_bytes == 3 * 8 * 3 * 32 * 16 * 4
     assert info.non_expert_bytes == 100 * 32 * 4 + 3 * (32 * 4 + 8 * 32 * 4)
+
+
+def test_nextn_layers(tmp_path: Path) -> None:
+    """The last nextn_predict_layers layers are MTP layers: not MoE layers, in no byte count but nextn_bytes."""
+    base = read_model_info(_write(tmp_path / "base.gguf", n_expert=8, n_layer=2))
+    info = read_model_info(_write(tmp_path / "mtp.gguf", n_expert=8, n_layer=3, nextn=1))
+    assert info.n_layers == 3 and info.n_nextn_layers == 1 and info.moe_layers == (0, 1)
+    assert (info.expert_bytes, info.non_expert_bytes) == (base.expert_bytes, base.non_expert_bytes)
+    assert info.nextn_bytes == 32 * 4 + 8 * 32 * 4 + 3 * 8 * 16 * 32 * 4  # attn_norm, router, 3 expert tensors
+    with pytest.raises(HarnessError, match=r"nextn_predict_layers=2 is not below block_count=2") as e:
+        read_model_info(_write(tmp_path / "bad.gguf", n_expert=8, n_layer=2, nextn=2))
+    assert "\n" not in str(e.value)
 
 
 def test_not_moe(tmp_path: Path) -> None:
@@ -101,3 +116,14 @@ def test_cli_info_with_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert re.search(r"4 expert slots per\s+layer", out)
     assert main(["info", str(model), "--vram", "1G"]) == 0
     assert re.search(r"nothing is\s+offloaded", capsys.readouterr().out)
+
+
+def test_cli_info_names_the_mtp_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-4.5's NextN/MTP layer: in block_count, not an MoE layer for the cache, said so."""
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    model = write_synth_model(SynthSpec(arch="glm4moe", n_layer=3, n_dense_lead=1, n_nextn=1, n_expert=8,
+                                        n_expert_used=2), tmp_path / "glm.gguf")
+    assert main(["info", str(model)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "4, of which MoE: 2; the last 1 NextN/MTP" in out

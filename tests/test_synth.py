@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -58,13 +59,14 @@ def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
                      n_head=4, n_head_kv=1, n_vocab=300, dtype=dtype, seed=1)
     path = write_synth_model(spec, tmp_path / "m.gguf")
     info = read_model_info(path)
-    shared = 1 if arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next") else 0
+    shared = 1 if arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next", "glm4moe") else 0
     assert info.arch == {"mixtral": "llama"}.get(arch, arch)
     assert info.n_layers == 3 and info.moe_layers == (0, 1, 2)
     assert info.n_expert == 8 and info.n_expert_used == 3
     assert info.n_expert_shared == shared
     assert info.merged_gate_up == (arch == "hy_v3")
-    assert info.gating == {"hy_v3": "sigmoid", "deepseek2": "sigmoid", "gpt-oss": "softmax_weight"}.get(arch, "softmax")
+    assert info.gating == {"hy_v3": "sigmoid", "deepseek2": "sigmoid", "glm4moe": "sigmoid",
+                           "gpt-oss": "softmax_weight"}.get(arch, "softmax")
     # None: not in the file (the graph fixes it)
     assert info.weights_norm is {"qwen2moe": False, "gpt-oss": None, "qwen3next": None, "grovemoe": None}.get(arch,
                                                                                                               True)
@@ -102,9 +104,12 @@ def test_tensor_shapes_and_types(synth_models: dict[str, Path]) -> None:
             assert list(t["blk.1.ffn_gate_exps.weight"].shape) == [64, 32, 16]
         assert list(t["blk.1.ffn_down_exps.weight"].shape) == [32, 64, 16]
         assert ("blk.0.ffn_gate_inp_shexp.weight" in t) == (arch in ("qwen2moe", "qwen3next"))
-        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next"))
+        assert ("blk.0.ffn_up_shexp.weight" in t) == (arch in ("qwen2moe", "hy_v3", "deepseek2", "qwen3next",
+                                                               "glm4moe"))
         assert ("blk.0.ssm_conv1d.weight" in t) == (arch == "qwen3next")  # layer 0 linear attention, 1 full
-        assert ("blk.1.attn_q_norm.weight" in t) == (arch in ("qwen3moe", "hy_v3", "qwen3next", "grovemoe"))
+        assert ("blk.1.attn_q_norm.weight" in t) == (arch in ("qwen3moe", "hy_v3", "qwen3next", "grovemoe", "glm4moe"))
+        assert ("blk.0.attn_q.bias" in t) == (arch in ("qwen2moe", "gpt-oss", "glm4moe"))
+        assert ("blk.0.exp_probs_b.bias" in t) == (arch in ("deepseek2", "glm4moe"))
         assert ("blk.1.ffn_up_chexps.weight" in t) == (arch == "grovemoe")
         assert ("blk.0.ffn_up_exps.bias" in t) == (arch == "gpt-oss")
         assert ("blk.0.attn_sinks.weight" in t) == (arch == "gpt-oss")
@@ -156,7 +161,13 @@ def test_synth_text_is_deterministic() -> None:
     ({"n_vocab": 100}, f"n_vocab must be >= {MIN_VOCAB}"),
     ({"dtype": "q8_0", "n_ff_exp": 48}, "n_ff_exp=48 is not a multiple of 32"),
     ({"seed": -1}, "seed must be >= 0"),
-    ({"n_dense_lead": 1}, "n_dense_lead is a deepseek2 setting"),
+    ({"n_dense_lead": 1}, "n_dense_lead is a setting of deepseek2, glm4moe, not qwen3moe's"),
+    ({"n_nextn": 1}, r"n_nextn \(MTP layers\) is a setting of glm4moe, not qwen3moe's"),
+    ({"arch": "glm4moe", "n_nextn": 2}, "n_nextn must be 0 or 1"),
+    ({"arch": "glm4moe", "n_dense_lead": 2}, "n_dense_lead must be between 0 and n_layer-1=1"),
+    ({"fused_gate_up": True}, "fused_gate_up: qwen3moe's loader .* takes no merged ffn_gate_up_exps; one of qwen3next"),
+    ({"arch": "deepseek2", "fused_gate_up": True}, "fused_gate_up: deepseek2's loader"),
+    ({"arch": "qwen3next", "fused_gate_up": 1}, "fused_gate_up must be True or False"),
     ({"arch": "deepseek2", "n_dense_lead": 2}, "n_dense_lead must be between 0 and n_layer-1=1"),
 ])
 def test_bad_specs(tmp_path: Path, change: dict[str, object], message: str) -> None:
@@ -185,6 +196,70 @@ def test_cli_synth(tmp_path: Path) -> None:
                  "--dtype", "q8_0", "--seed", "5"]) == 0
     spec = SynthSpec(arch="hy_v3", n_expert=8, n_expert_used=2, dtype="q8_0", seed=5)
     assert out.read_bytes() == write_synth_model(spec, tmp_path / "lib.gguf").read_bytes()
+
+
+def _glm4moe(n_nextn: int, dtype: str = "f32") -> SynthSpec:
+    return SynthSpec(arch="glm4moe", n_layer=3, n_dense_lead=1, n_nextn=n_nextn, n_expert=8, n_expert_used=2,
+                     dtype=dtype, seed=3)
+
+
+def test_glm4moe_dense_lead_and_mtp_layer(tmp_path: Path) -> None:
+    """GLM-4.5(-Air) as converted: a leading dense layer, MoE layers, then one NextN/MTP layer that block_count
+    counts; the MTP layer is not an MoE layer for the cache (llama.cpp loads it only for MTP decoding)."""
+    mtp = write_synth_model(_glm4moe(1), tmp_path / "mtp.gguf")
+    trunk = write_synth_model(_glm4moe(0), tmp_path / "trunk.gguf")
+    reader = gguf.GGUFReader(str(mtp))
+    t = {x.name: x for x in reader.tensors}
+    assert reader.fields["glm4moe.block_count"].contents() == 4
+    assert reader.fields["glm4moe.nextn_predict_layers"].contents() == 1
+    assert reader.fields["glm4moe.leading_dense_block_count"].contents() == 1
+    assert reader.fields["glm4moe.expert_weights_scale"].contents() == pytest.approx(2.5)
+    assert reader.fields["glm4moe.rope.dimension_count"].contents() == 8  # half of the 16-wide heads
+    assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_exps.weight" not in t
+    assert list(t["blk.3.nextn.eh_proj.weight"].shape) == [128, 64]
+    assert "blk.3.ffn_down_exps.weight" in t and "blk.3.ffn_norm.weight" not in t
+    info, base = read_model_info(mtp), read_model_info(trunk)
+    assert info.n_layers == 4 and info.n_nextn_layers == 1 and info.moe_layers == (1, 2)
+    mtp_bytes = sum(int(x.n_bytes) for x in reader.tensors if x.name.startswith("blk.3."))
+    assert info.nextn_bytes == mtp_bytes > 0
+    assert (info.expert_bytes, info.non_expert_bytes) == (base.expert_bytes, base.non_expert_bytes)
+    assert info.kv_bytes_per_cell == base.kv_bytes_per_cell
+    assert info.file_bytes > base.file_bytes + mtp_bytes - 4096  # the MTP tensors are in the file
+
+
+def test_qwen3next_fused_gate_up(tmp_path: Path) -> None:
+    """qwen3next with one merged ffn_gate_up_exps per layer (gate rows, then up rows), the same bytes per expert."""
+    spec = SynthSpec(arch="qwen3next", n_expert=8, n_expert_used=2, dtype="q8_0", seed=1)
+    fused = write_synth_model(dataclasses.replace(spec, fused_gate_up=True), tmp_path / "fused.gguf")
+    split = write_synth_model(spec, tmp_path / "split.gguf")
+    t = {x.name: x for x in gguf.GGUFReader(str(fused)).tensors}
+    assert list(t["blk.1.ffn_gate_up_exps.weight"].shape) == [64, 64, 8]
+    assert "blk.1.ffn_gate_exps.weight" not in t and "blk.1.ffn_up_exps.weight" not in t
+    a, b = read_model_info(fused), read_model_info(split)
+    assert a.merged_gate_up and not b.merged_gate_up
+    assert a.bytes_per_expert == b.bytes_per_expert == expected_bytes_per_expert(spec)
+    assert a.bytes_per_expert_tensor["gate_up.weight"] == 2 * b.bytes_per_expert_tensor["gate.weight"]
+    out = tmp_path / "cli.gguf"
+    assert main(["synth", "-o", str(out), "--arch", "qwen3next", "--experts", "8", "--top-k", "2", "--dtype", "q8_0",
+                 "--seed", "1", "--fused-gate-up"]) == 0
+    assert out.read_bytes() == fused.read_bytes()
+
+
+def test_cli_synth_glm4moe(tmp_path: Path) -> None:
+    out = tmp_path / "cli.gguf"
+    assert main(["synth", "-o", str(out), "--arch", "glm4moe", "--layers", "3", "--dense-lead", "1", "--nextn", "1",
+                 "--experts", "8", "--top-k", "2", "--seed", "3"]) == 0
+    assert out.read_bytes() == write_synth_model(_glm4moe(1), tmp_path / "lib.gguf").read_bytes()
+
+
+@pytest.mark.build
+def test_stock_skips_the_mtp_layer(stock_build: Build, synth_text_file: Path, tmp_path: Path) -> None:
+    """Stock llama-perplexity loads the file with its MTP layer and gives the trunk-only file's perplexity."""
+    mtp = write_synth_model(_glm4moe(1, "q8_0"), tmp_path / "mtp.gguf")
+    trunk = write_synth_model(_glm4moe(0, "q8_0"), tmp_path / "trunk.gguf")
+    a = _perplexity(stock_build, mtp, synth_text_file, "--no-repack")
+    b = _perplexity(stock_build, trunk, synth_text_file, "--no-repack")
+    assert math.isfinite(a) and a > 1.0 and a == b
 
 
 # ---------------------------------------------------------------------------------------------------

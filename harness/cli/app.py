@@ -54,7 +54,8 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     spec = synth.SynthSpec(arch=args.arch, n_layer=args.layers, n_expert=args.experts,
                            n_expert_used=args.top_k, n_embd=args.embd, n_ff_exp=args.ff,
                            n_ff_shexp=args.ff_shexp, n_head=args.heads, n_head_kv=args.kv_heads,
-                           n_ctx=args.ctx, n_vocab=args.vocab, dtype=args.dtype, seed=args.seed)
+                           n_ctx=args.ctx, n_vocab=args.vocab, dtype=args.dtype, seed=args.seed,
+                           n_dense_lead=args.dense_lead, n_nextn=args.nextn, fused_gate_up=args.fused_gate_up)
     if args.quantize:
         from harness.tools import quantize
 
@@ -447,8 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "expert), hy_v3 (merged gate_up experts, sigmoid router), mixtral (llama with experts), gpt-oss "
                    "(per-expert biases, softmax after top-k, attention sinks), deepseek2 (MLA, shared expert, "
                    "sigmoid router with selection bias, grouped top-k), qwen3next (hybrid linear attention, "
-                   "gated shared expert), grovemoe (refused by the cache: two expert sets per layer)")
-    s.add_argument("--layers", type=int, default=2)
+                   "gated shared expert), glm4moe (GLM-4.5: sigmoid router with selection bias, scaled weights, "
+                   "shared expert, partial rotary), grovemoe (refused by the cache: two expert sets per layer)")
+    s.add_argument("--layers", type=int, default=2, help="trunk layers (the MTP layers of --nextn come after)")
+    s.add_argument("--dense-lead", type=int, default=0, help="leading dense layers (deepseek2, glm4moe)")
+    s.add_argument("--nextn", type=int, default=0, help="NextN/MTP layers after the trunk (glm4moe: 0 or 1)")
+    s.add_argument("--fused-gate-up", action="store_true", help="qwen3next: one merged ffn_gate_up_exps tensor per "
+                   "layer (as convert_hf_to_gguf.py --fuse-gate-up-exps writes it)")
     s.add_argument("--experts", type=int, default=16)
     s.add_argument("--top-k", type=int, default=4)
     s.add_argument("--embd", type=int, default=64)

@@ -2,6 +2,11 @@
 
 A pure reader: `read_model_info(path)` returns a frozen `ModelInfo` or raises a `HarnessError` with a
 one-line message (not a GGUF file, truncated, not an MoE model).
+
+NextN/MTP layers (``{arch}.nextn_predict_layers``, the last layers of ``block_count``: GLM-4.5, DeepSeek-V3,
+Qwen3-Next... as the pinned converter writes them) are not counted as MoE layers and their tensors are in neither
+byte count: llama.cpp of the pin loads them only for MTP speculative decoding (``load_mtp``) and otherwise skips
+them ("model has unused tensor"), so they take no memory, and the expert cache has no state or banks for them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from harness.core.errors import HarnessError, NotMoEError
 # Routed-expert tensors: blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias,scale}; shared experts
 # (ffn_*_shexp) are dense and stay on the device, as llama.cpp's --cpu-moe regex does.
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 _SHEXP_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
 _GATE_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 # Architectures whose llama.cpp graph fixes the gating without the expert_gating_func key.
@@ -51,6 +57,8 @@ class ModelInfo:
     file_bytes: int
     file_type: str
     kv_bytes_per_cell: int = 0  # the KV cache's bytes per context cell over all layers (f16 K and V); 0: unknown
+    n_nextn_layers: int = 0  # NextN/MTP layers at the end of n_layers (not loaded without MTP decoding)
+    nextn_bytes: int = 0  # their tensors' bytes (in file_bytes, not in expert_bytes or non_expert_bytes)
 
     @property
     def n_moe_layers(self) -> int:
@@ -110,12 +118,19 @@ def read_model_info(path: str | Path) -> ModelInfo:
     n_shared = _field(reader, f"{arch}.expert_shared_count")
     gating_id = _field(reader, f"{arch}.expert_gating_func")
     norm = _field(reader, f"{arch}.expert_weights_norm")
+    n_nextn = int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
+    if n_nextn and not 0 < n_nextn < n_layers:
+        raise HarnessError(f"{p}: {arch}.nextn_predict_layers={n_nextn} is not below block_count={n_layers}")
+    n_trunk = n_layers - n_nextn if n_nextn else None  # layers >= n_trunk are the MTP layers
 
     experts: list[ExpertTensor] = []
     moe_layers: set[int] = set()
     shexp_layers: set[int] = set()
-    non_expert = 0
+    non_expert = nextn = 0
     for t in tensors:
+        if n_trunk is not None and (b := _BLOCK_RE.match(t.name)) is not None and int(b.group(1)) >= n_trunk:
+            nextn += int(t.n_bytes)
+            continue
         m = _EXPS_RE.match(t.name)
         if m:
             moe_layers.add(int(m.group(1)))
@@ -155,7 +170,9 @@ def read_model_info(path: str | Path) -> ModelInfo:
         non_expert_bytes=non_expert,
         file_bytes=file_bytes,
         file_type=",".join(sorted(weights)),
-        kv_bytes_per_cell=_kv_bytes_per_cell(reader, arch, n_layers),
+        kv_bytes_per_cell=_kv_bytes_per_cell(reader, arch, n_layers if n_trunk is None else n_trunk),
+        n_nextn_layers=n_nextn,
+        nextn_bytes=nextn,
     )
 
 

@@ -57,7 +57,9 @@ def render_info(info: ModelInfo, slot_plan: SlotPlan | None = None) -> Group:
     t.add_column("what", style="bold")
     t.add_column("value")
     t.add_row("architecture", f"{info.arch} ({info.name})")
-    t.add_row("layers", f"{info.n_layers}, of which MoE: {info.n_moe_layers}")
+    mtp = (f"; the last {info.n_nextn_layers} NextN/MTP (loaded only for MTP decoding, "
+           f"{info.nextn_bytes / 2**20:.1f} MiB)" if info.n_nextn_layers else "")
+    t.add_row("layers", f"{info.n_layers}, of which MoE: {info.n_moe_layers}{mtp}")
     t.add_row("experts per layer", str(info.n_expert))
     t.add_row("experts used per token", str(info.n_expert_used))
     t.add_row("shared experts", str(info.n_expert_shared))

@@ -48,17 +48,21 @@ def check_kquant_spec(spec: SynthSpec, qtype: str) -> None:
     if qtype not in KQUANTS:
         raise HarnessError(f"quantize: unknown type {qtype!r}; choose one of {', '.join(KQUANTS)}")
     rows = {"n_embd": spec.n_embd, "n_ff_exp": spec.n_ff_exp}
-    if spec.has_shared_expert:
-        rows["n_ff_shexp"] = spec.n_ff_shexp
+    if spec.has_shared_expert and spec.shared_ff != spec.n_ff_exp:  # deepseek2, glm4moe: of the experts' size
+        rows["n_ff_shexp"] = spec.shared_ff
     for name, n in rows.items():
         if n % QK_K:
             raise HarnessError(f"quantize: {qtype} packs {QK_K} weights per block: {name}={n} must be a multiple of "
                                f"{QK_K} (llama-quantize would fall back to another type for those tensors)")
 
 
-def quantize_model(tool: Path, src: Path, dst: Path, qtype: str, *, threads: int = 2, timeout: float = 600) -> Path:
-    """Run llama-quantize src -> dst (written atomically); a failure raises a HarnessError with its last lines."""
+def quantize_model(tool: Path, src: Path, dst: Path, qtype: str, *, threads: int | None = None,
+                   timeout: float = 3600) -> Path:
+    """Run llama-quantize src -> dst (written atomically) on `threads` threads (default: every CPU); a failure
+    raises a HarnessError with its last lines."""
     dst = Path(dst)
+    if threads is None:
+        threads = os.cpu_count() or 2
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".tmp")
     res = subprocess.run(quantize_command(tool, src, tmp, qtype, threads), capture_output=True, text=True,

@@ -22,7 +22,16 @@
 - ``qwen3next`` (the study's architecture, Qwen3-Next): hybrid attention, every other layer a linear-attention
   (gated delta net) layer (``attn_qkv``, ``attn_gate``, ``ssm_*``) and the others gated full attention (a
   query projection of twice the size, q/k RMS norm); softmax router, normalised top-k, and a shared expert
-  whose output is scaled by its own sigmoid gate (``ffn_gate_inp_shexp``).
+  whose output is scaled by its own sigmoid gate (``ffn_gate_inp_shexp``). ``SynthSpec(fused_gate_up=True)``
+  writes its routed experts' gate and up as one ``ffn_gate_up_exps`` tensor (gate rows first), as the pinned
+  converter's ``--fuse-gate-up-exps`` does; its loader takes either.
+- ``glm4moe`` (GLM-4.5): a sigmoid router with an expert-selection bias (``exp_probs_b.bias``), normalised weights
+  scaled by ``expert_weights_scale`` (2.5, GLM-4.5's routed scaling), one ungated shared expert of the routed
+  experts' size, q/k/v biases and q/k RMS norm, half-size (partial) NeoX rotary embeddings, ``post_attention_norm``
+  as the FFN input norm; ``SynthSpec(n_dense_lead=N)``: GLM's leading dense layers (``leading_dense_block_count``;
+  GLM-4.5-Air has 1, GLM-4.5 3); ``SynthSpec(n_nextn=N)``: N NextN/MTP layers after the ``n_layer`` trunk layers
+  (``nextn_predict_layers``; ``block_count`` counts them, as the pinned converter writes it). llama.cpp loads the
+  MTP layers only for MTP speculative decoding (``load_mtp``) and never runs them in the main graph.
 - ``grovemoe``: qwen3moe-like, plus a second, smaller set of "chunk" experts per layer (``ffn_*_chexps``, one
   per pair of experts) that ``build_moe_ffn`` routes separately with the same router. The expert cache refuses
   it (two expert sets per layer); it is here for that refusal's test.
@@ -62,7 +71,7 @@ import numpy.typing as npt
 from harness.core.errors import HarnessError
 
 ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "hy_v3", "mixtral", "gpt-oss", "deepseek2", "qwen3next",
-                          "grovemoe")
+                          "glm4moe", "grovemoe")
 # Archs the expert cache refuses (with a one-line error naming the arch); the others it serves.
 CACHE_REFUSED: tuple[str, ...] = ("grovemoe",)
 # The GGUF architecture each writes, where it differs from the name.
@@ -81,14 +90,24 @@ CHAT_TEMPLATE = (
 )
 
 # Archs with one shared expert, and whether its output goes through a sigmoid gate.
-_SHARED_EXPERT = {"qwen2moe": True, "hy_v3": False, "deepseek2": False, "qwen3next": True}
+_SHARED_EXPERT = {"qwen2moe": True, "hy_v3": False, "deepseek2": False, "qwen3next": True, "glm4moe": False}
 _MERGED_GATE_UP = frozenset({"hy_v3"})
+# Archs whose pinned loader and gguf-py tensor list take a merged ffn_gate_up_exps as well as separate gate/up
+# (deepseek2's loader takes it too, but gguf-py's DEEPSEEK2 tensor list has no FFN_GATE_UP_EXP: no converter
+# writes it).
+_FUSABLE_GATE_UP = frozenset({"qwen3next"})
 _ROUTER_LOGIT_STD = 2.0
 GPT_OSS_SLIDING_WINDOW = 16
 QWEN3NEXT_FULL_ATTENTION_INTERVAL = 2  # layers 1, 3, ... full attention; 0, 2, ... linear attention
 QWEN3NEXT_CONV_KERNEL = 4
 GROVEMOE_EXPERTS_PER_GROUP = 2
 DEEPSEEK2_WEIGHTS_SCALE = 2.5
+GLM4MOE_WEIGHTS_SCALE = 2.5  # GLM-4.5's routed_scaling_factor (GLM-4.5-Air: 1.0)
+# expert_weights_scale: what the graph multiplies the (normalised) gate weights by after the route step's weights
+WEIGHTS_SCALE: dict[str, float] = {"deepseek2": DEEPSEEK2_WEIGHTS_SCALE, "glm4moe": GLM4MOE_WEIGHTS_SCALE}
+# Archs whose loader takes leading dense layers, and the one with NextN/MTP layers.
+_DENSE_LEAD = frozenset({"deepseek2", "glm4moe"})
+_NEXTN = frozenset({"glm4moe"})
 
 
 @dataclass(frozen=True)
@@ -108,7 +127,9 @@ class SynthSpec:
     n_vocab: int = 512
     dtype: str = "f32"
     seed: int = 0
-    n_dense_lead: int = 0  # deepseek2: leading layers with a dense FFN instead of experts (DeepSeek's first_k_dense)
+    n_dense_lead: int = 0  # deepseek2, glm4moe: leading layers with a dense FFN instead of experts (first_k_dense)
+    n_nextn: int = 0  # glm4moe: NextN/MTP layers after the n_layer trunk layers (nextn_predict_layers)
+    fused_gate_up: bool = False  # qwen3next: one merged ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
 
     @property
     def head_dim(self) -> int:
@@ -120,7 +141,7 @@ class SynthSpec:
 
     @property
     def merged_gate_up(self) -> bool:
-        return self.arch in _MERGED_GATE_UP
+        return self.arch in _MERGED_GATE_UP or self.fused_gate_up
 
     @property
     def gguf_arch(self) -> str:
@@ -128,8 +149,18 @@ class SynthSpec:
 
     @property
     def shared_ff(self) -> int:
-        """The shared expert's FFN size (deepseek2's loader takes the routed experts' size times the count)."""
-        return self.n_ff_exp if self.arch == "deepseek2" else self.n_ff_shexp
+        """The shared expert's FFN size (deepseek2's and glm4moe's loaders take the routed experts' size times the
+        count)."""
+        return self.n_ff_exp if self.arch in ("deepseek2", "glm4moe") else self.n_ff_shexp
+
+    @property
+    def n_block(self) -> int:
+        """Layers in the file (block_count): the trunk and the NextN/MTP layers."""
+        return self.n_layer + self.n_nextn
+
+    @property
+    def weights_scale(self) -> float:
+        return WEIGHTS_SCALE.get(self.arch, 1.0)
 
     @property
     def expert_groups(self) -> tuple[int, int]:
@@ -204,6 +235,10 @@ def check_spec(spec: SynthSpec) -> None:
         value = getattr(spec, f.name)
         if f.name in ("arch", "dtype"):
             continue
+        if f.name == "fused_gate_up":
+            if not isinstance(value, bool):
+                raise bad(f"fused_gate_up must be True or False, got {value!r}")
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise bad(f"{f.name} must be an integer, got {value!r}")
     if spec.arch not in ARCHS:
@@ -226,8 +261,15 @@ def check_spec(spec: SynthSpec) -> None:
         raise bad(f"n_embd={spec.n_embd} must be n_head={spec.n_head} times an even head size")
     if spec.arch == "grovemoe" and spec.n_expert % GROVEMOE_EXPERTS_PER_GROUP:
         raise bad(f"grovemoe groups experts in pairs: n_expert={spec.n_expert} must be even")
-    if spec.n_dense_lead and spec.arch != "deepseek2":
-        raise bad(f"n_dense_lead is a deepseek2 setting, not {spec.arch}'s")
+    if spec.n_dense_lead and spec.arch not in _DENSE_LEAD:
+        raise bad(f"n_dense_lead is a setting of {', '.join(sorted(_DENSE_LEAD))}, not {spec.arch}'s")
+    if spec.n_nextn and spec.arch not in _NEXTN:
+        raise bad(f"n_nextn (MTP layers) is a setting of {', '.join(sorted(_NEXTN))}, not {spec.arch}'s")
+    if spec.fused_gate_up and spec.arch not in _FUSABLE_GATE_UP:
+        raise bad(f"fused_gate_up: {spec.arch}'s loader (or gguf-py's tensor list) takes no merged ffn_gate_up_exps; "
+                  f"one of {', '.join(sorted(_FUSABLE_GATE_UP))} does (hy_v3 always has it)")
+    if not 0 <= spec.n_nextn <= 1:
+        raise bad(f"n_nextn must be 0 or 1 (the pin's glm4moe runs one MTP layer), got {spec.n_nextn}")
     if not 0 <= spec.n_dense_lead < spec.n_layer:
         raise bad(f"n_dense_lead must be between 0 and n_layer-1={spec.n_layer - 1}, got {spec.n_dense_lead}")
     if spec.n_ff_exp < 1:
@@ -246,7 +288,7 @@ def check_spec(spec: SynthSpec) -> None:
                   f"or use one of {', '.join(d for d in DTYPES if _can_quantize(_dtype(d)))}")
     if dt.block > 1:
         rows = {"n_embd": spec.n_embd, "n_ff_exp": spec.n_ff_exp}
-        if spec.has_shared_expert and spec.arch != "deepseek2":
+        if spec.has_shared_expert and spec.shared_ff != spec.n_ff_exp:
             rows["n_ff_shexp"] = spec.n_ff_shexp
         for name, n in rows.items():
             if n % dt.block:
@@ -470,14 +512,16 @@ def _plan_attention(spec: SynthSpec, b: str, il: int) -> list[_Tensor]:
     plan = [_vector(b + "attn_norm.weight", e, fill=1.0),
             _matrix(b + "attn_q.weight", q_dim, e), _matrix(b + "attn_k.weight", kv_dim, e),
             _matrix(b + "attn_v.weight", kv_dim, e), _matrix(b + "attn_output.weight", e, q_dim)]
-    if spec.arch in ("qwen2moe", "gpt-oss"):
+    if spec.arch in ("qwen2moe", "gpt-oss", "glm4moe"):
         plan += [_vector(b + "attn_q.bias", q_dim, std=0.02), _vector(b + "attn_k.bias", kv_dim, std=0.02),
                  _vector(b + "attn_v.bias", kv_dim, std=0.02)]
     if spec.arch == "gpt-oss":
         plan += [_vector(b + "attn_output.bias", e, std=0.02), _vector(b + "attn_sinks.weight", spec.n_head, std=0.5),
                  _vector(b + "post_attention_norm.weight", e, fill=1.0)]
-    elif spec.arch in ("qwen3moe", "hy_v3", "grovemoe"):
+    elif spec.arch in ("qwen3moe", "hy_v3", "grovemoe", "glm4moe"):
         plan += [_vector(b + "attn_q_norm.weight", hd, fill=1.0), _vector(b + "attn_k_norm.weight", hd, fill=1.0)]
+    if spec.arch == "glm4moe":  # the FFN input norm
+        plan.append(_vector(b + "post_attention_norm.weight", e, fill=1.0))
     return plan
 
 
@@ -485,12 +529,16 @@ def _plan_moe(spec: SynthSpec) -> list[_Tensor]:
     e, f, n_exp = spec.n_embd, spec.n_ff_exp, spec.n_expert
     plan = [_matrix("token_embd.weight", spec.n_vocab, e), _vector("output_norm.weight", e, fill=1.0),
             _matrix("output.weight", spec.n_vocab, e)]
-    for i in range(spec.n_layer):
+    for i in range(spec.n_block):
         b = f"blk.{i}."
         plan += _plan_attention(spec, b, i)
-        if spec.arch not in ("gpt-oss", "qwen3next"):  # these normalise the FFN input with post_attention_norm
+        if spec.arch not in ("gpt-oss", "qwen3next", "glm4moe"):  # these take post_attention_norm as the FFN norm
             plan.append(_vector(b + "ffn_norm.weight", e, fill=1.0))
-        if i < spec.n_dense_lead:  # deepseek2's leading dense layers: feed_forward_length = n_ff_exp * k
+        if i >= spec.n_layer:  # an MTP layer (glm4moe): its own input projection and norms, then a MoE layer
+            plan += [_matrix(b + "nextn.eh_proj.weight", e, 2 * e), _vector(b + "nextn.enorm.weight", e, fill=1.0),
+                     _vector(b + "nextn.hnorm.weight", e, fill=1.0),
+                     _vector(b + "nextn.shared_head_norm.weight", e, fill=1.0)]
+        if i < spec.n_dense_lead:  # leading dense layers: feed_forward_length = n_ff_exp * k
             n_ff = f * spec.n_expert_used
             plan += [_matrix(b + "ffn_gate.weight", n_ff, e), _matrix(b + "ffn_up.weight", n_ff, e),
                      _matrix(b + "ffn_down.weight", e, n_ff)]
@@ -498,11 +546,12 @@ def _plan_moe(spec: SynthSpec) -> list[_Tensor]:
         plan.append(_matrix(b + "ffn_gate_inp.weight", n_exp, e, quantize=False, scale=_ROUTER_LOGIT_STD))
         if spec.arch == "gpt-oss":
             plan.append(_vector(b + "ffn_gate_inp.bias", n_exp, std=0.1))
-        elif spec.arch == "deepseek2":
+        elif spec.arch in ("deepseek2", "glm4moe"):
             plan.append(_vector(b + "exp_probs_b.bias", n_exp, std=0.1))
         if spec.arch == "hy_v3":
-            plan += [_vector(b + "exp_probs_b", n_exp, std=0.1),
-                     _matrix(b + "ffn_gate_up_exps.weight", n_exp, 2 * f, e)]
+            plan.append(_vector(b + "exp_probs_b", n_exp, std=0.1))
+        if spec.merged_gate_up:
+            plan.append(_matrix(b + "ffn_gate_up_exps.weight", n_exp, 2 * f, e))
         else:
             plan += [_matrix(b + "ffn_gate_exps.weight", n_exp, f, e), _matrix(b + "ffn_up_exps.weight", n_exp, f, e)]
         plan.append(_matrix(b + "ffn_down_exps.weight", n_exp, e, f))
@@ -695,6 +744,16 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
             if groups > 1:
                 w.add_expert_group_count(groups)
                 w.add_expert_group_used_count(used)
+        elif spec.arch == "glm4moe":  # partial rotary embeddings: half of each head (GLM's partial_rotary_factor)
+            _common_hparams(w, n_layer=spec.n_block, n_ctx=spec.n_ctx, n_embd=spec.n_embd, n_ff=n_ff,
+                            n_head=spec.n_head, n_head_kv=spec.n_head_kv, head_dim=head_dim, head_sizes=False)
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+            w.add_rope_dimension_count(head_dim // 2)
+            w.add_leading_dense_block_count(spec.n_dense_lead)
+            w.add_expert_weights_scale(GLM4MOE_WEIGHTS_SCALE)
+            if spec.n_nextn:
+                w.add_nextn_predict_layers(spec.n_nextn)
         else:
             _common_hparams(w, n_layer=spec.n_layer, n_ctx=spec.n_ctx, n_embd=spec.n_embd, n_ff=n_ff,
                             n_head=spec.n_head, n_head_kv=spec.n_head_kv, head_dim=head_dim)
@@ -702,7 +761,7 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.n_ff_exp)
         if spec.has_shared_expert:
-            if spec.arch != "deepseek2":
+            if spec.arch not in ("deepseek2", "glm4moe"):  # these loaders size it from n_ff_exp
                 w.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
             w.add_expert_shared_count(1)
         if spec.arch in ("qwen3moe", "mixtral"):
@@ -713,7 +772,7 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
             w.add_expert_group_scale(1.0)
         elif spec.arch == "qwen2moe":
             w.add_expert_weights_norm(False)
-        elif spec.arch in ("hy_v3", "deepseek2"):
+        elif spec.arch in ("hy_v3", "deepseek2", "glm4moe"):
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             w.add_expert_weights_norm(True)
         elif spec.arch == "gpt-oss":  # its graph gates with softmax after top-k whatever the metadata says
@@ -729,6 +788,8 @@ def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:
 
     name = (f"synth-{spec.arch}-L{spec.n_layer}-E{spec.n_expert}k{spec.n_expert_used}-d{spec.n_embd}"
             f"-{spec.dtype}-s{spec.seed}")
+    if spec.fused_gate_up:
+        name += "-fused"
     return _write(Path(path), spec.gguf_arch, name, dtype, spec.seed, _plan_moe(spec), hparams, spec.n_vocab)
 
 
