@@ -66,3 +66,27 @@ def policy_items(policy: str) -> tuple[tuple[str, str], ...]:
     if policy not in POLICIES:
         raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
     return POLICIES[policy]
+
+
+# harness frontier: the families of policies run side by side (each family's knobs over FrontierGrid), with what
+# each stands for. The anchors' rules run with LFU eviction and no admission, as the bare rules of ours do, so that
+# a family differs from ours by its rule alone; upstream's own cache is `fetch-all` with `classlru`, its CPU share
+# is `host` (light=host, with classlru); `combos` are combinations of an anchor's idea with ours.
+FRONTIER_FAMILIES: dict[str, str] = {
+    "ours": "the threshold rule over tau and first-choice, with and without admission (LFU); the presets quality "
+            "and speed run as presets",
+    "fetch-all": "every miss fetched, evicting by LRU, LFU or ClassLRU (upstream llama.cpp's cache: fetch-all + "
+                 "classlru)",
+    "cache-route": "colibri's CACHE_ROUTE: ranks below j always computed, substitutes from the router's top m, "
+                   "their weight scaled by alpha (LFU, no admission)",
+    "zero": "colibri's DEGRADE_ZERO: misses below tau dropped, the rest fetched, renorm off/on (LFU)",
+    "ser": "ik_llama.cpp's Smart Expert Reduction: the first kmin ranks run, a later one if its weight > t x rank "
+           "0's, renorm off/on (LFU)",
+    "host": "upstream's CPU share (light=host): the misses a rule does not fetch are computed on the host with the "
+            "missed expert (exact), for first-choice, the 0.15 rule and substitute-all (classlru)",
+    "combos": "combinations: a rank window with admission (cache-route + admit 0.5), the 0.15 rule with upstream's "
+              "ClassLRU (admit 0.5), the 0.15 rule with host computes for its light misses (light=host)",
+}
+FRONTIER_FRACTIONS = (0.25, 0.125)  # the residencies of the side-by-side comparison
+FRONTIER_BOUNDS = (0.5, 1.0)  # delta-PPL% bounds of the table "fewest bytes per token at <= bound"
+FRONTIER_PRESETS = ("quality", "speed")  # the presets that must be on the frontier

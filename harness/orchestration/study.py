@@ -4,7 +4,10 @@ Runs (each resumable, in its own folder under --out):
 - `compare/`: quality only, in emulate mode on the same tokens: fetch-all, the 0.15 rule (LFU, no admission),
   substitute-all, first-choice, quality-first and speed-first;
 - `sweep/`: thresholds and first-choice with and without admission, for the mass hypothesis;
-- `topics/`: quality-first with and without admission on the topic-shift text.
+- `topics/`: quality-first with and without admission on the topic-shift text;
+- `frontier/`: every family of policies (ours, fetch-all, the anchors', upstream's CPU share, combinations) side
+  by side at the residency and half of it (`harness frontier`): the table of the fewest bytes per token within
+  +0.5% and +1% delta-PPL, and whether the presets are on the frontier.
 Findings tested (numbering as in PAPER.md):
 1. quality loss is concentrated in heavily weighted substitutions: the 0.15 rule substitutes nearly as many
    calls as substitute-all but loses much less;
@@ -21,10 +24,19 @@ from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, STUDY_POLICIES, SWEEP_TAUS
-from harness.domain.options import CompareOptions, StudyOptions, SweepGrid, SweepOptions, TopicOptions
-from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult, Verdict
+from harness.domain.options import (
+    CompareOptions,
+    FrontierGrid,
+    FrontierOptions,
+    StudyOptions,
+    SweepGrid,
+    SweepOptions,
+    TopicOptions,
+)
+from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult, Verdict
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
+from harness.orchestration.frontier import frontier
 from harness.orchestration.summary import load_nlls
 from harness.orchestration.sweep import sweep
 from harness.orchestration.topics import topic_shift
@@ -144,7 +156,15 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
             note = ""
         except HarnessError as e:
             note = f"not run: {e}"
-    result = StudyResult(opts, c, pairs, s, t, note, verdicts(c, pairs, s, t))
+    fr: FrontierResult | None = None
+    fnote = "not run (--no-frontier)"
+    if opts.frontier:
+        fr = frontier(FrontierOptions(out=opts.out / "frontier", model=c.options.model, text=c.options.text,
+                                      grid=FrontierGrid(fractions=(opts.residency, opts.residency / 2)),
+                                      n_ctx=opts.n_ctx, chunks=opts.chunks, threads=opts.threads, seed=opts.seed,
+                                      argv=opts.argv), progress, runner=runner, env=env)
+        fnote = ""
+    result = StudyResult(opts, c, pairs, s, t, note, verdicts(c, pairs, s, t), fr, fnote)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "report.md").write_text(render_study_markdown(result))
     return result
