@@ -4,6 +4,7 @@ returning text. Every +/- says what it is."""
 from __future__ import annotations
 
 from harness.domain.catalogue import FRONTIER_FAMILIES
+from harness.domain.costmodel import load_profile
 from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult
 from harness.report.tables import (
     FRONTIER_HEADER,
@@ -96,6 +97,13 @@ def render_sweep_markdown(result: SweepResult) -> str:
 # ---- frontier ---------------------------------------------------------------------------------------------
 
 
+def _host_term(profile: str) -> str:
+    p = load_profile(profile)
+    return (f"a host-computed expert (light=host) is charged its bytes at the profile's host memory bandwidth "
+            f"({p.cpu_bw_gbs:g} GB/s) plus {p.host_expert_us:g} us (activations to the host and back, CPU op "
+            "dispatch), serially: the profile's `sources` say where each figure comes from (estimates, unmeasured).")
+
+
 def frontier_summary_lines(result: FrontierResult, level: str = "##") -> list[str]:
     """The side-by-side tables (one per residency), and whether the presets are on the frontier."""
     o = result.options
@@ -103,7 +111,7 @@ def frontier_summary_lines(result: FrontierResult, level: str = "##") -> list[st
              f"{result.bytes_per_expert / 1024:g} KiB (host computes move none but cost time). The bound is on "
              "delta PPL's point estimate (its paired 95% CI shown); among the family's points within it, the one "
              "moving the fewest bytes (sync + background), ties by estimated time. `est.` is the cost model on "
-             f"the `{o.profile}` profile: an estimate, not a measurement.", ""]
+             f"the `{o.profile}` profile: an estimate, not a measurement; {_host_term(o.profile)}", ""]
     for f in o.grid.fractions:
         slots = next((r.point.slots for r in result.rows if r.point.fraction == f), None)
         header, rows = bound_table_rows(result.table, f)
