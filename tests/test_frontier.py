@@ -258,3 +258,12 @@ def test_harness_report_rerenders_a_frontier_folder(tmp_path: Path, synth_models
     assert main(["report", str(tmp_path / "out")]) == 0
     md = (tmp_path / "out" / "report.md").read_text()
     assert md == render_frontier_markdown(first)
+
+
+def test_the_anchors_are_named_configurations_of_the_catalogue() -> None:
+    from harness.domain.catalogue import check_policies, policy_cache_spec
+
+    check_policies(["upstream", "cache-route", "zero", "ser"])
+    assert policy_cache_spec("upstream", "engine", 16, None).render() == (
+        "mode=engine,slots=16,rule=fetch-all,evict=classlru,admit=off")
+    assert policy_cache_spec("ser", "emulate", 8, None).render() == "mode=emulate,slots=8,rule=ser,evict=lfu,admit=off"

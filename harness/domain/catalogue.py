@@ -24,6 +24,12 @@ POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
     "rule-0.15": (("rule", "threshold"), ("tau", "0.15"), ("evict", "lfu"), ("admit", "off")),
     "first-choice": (("rule", "first-choice"), ("evict", "lfu"), ("admit", "off")),
     "substitute-all": (("rule", "substitute-all"), ("evict", "lfu"), ("admit", "off")),
+    # the anchors at their defaults (docs/expert-cache.md, "The anchors' policies"): upstream llama.cpp's cache
+    # (every miss fetched, ClassLRU), colibri's CACHE_ROUTE and DEGRADE_ZERO, ik_llama.cpp's SER (LFU, no admission)
+    "upstream": (("rule", "fetch-all"), ("evict", "classlru"), ("admit", "off")),
+    "cache-route": (("rule", "cache-route"), ("evict", "lfu"), ("admit", "off")),
+    "zero": (("rule", "zero"), ("evict", "lfu"), ("admit", "off")),
+    "ser": (("rule", "ser"), ("evict", "lfu"), ("admit", "off")),
 }
 KNOWN_POLICIES = tuple(POLICIES)
 DEFAULT_POLICIES = ("quality", "speed", "fetch-all")  # compare, check (a new baseline) and simulate
