@@ -147,12 +147,12 @@ def test_a_rows_bytes_and_the_cost_models_host_compute_term() -> None:
 
 # ---- the run, the report, the CLI, the plots ------------------------------------------------------------------
 
-def _opts(tmp_path: Path) -> FrontierOptions:
+def _opts(tmp_path: Path, fractions: tuple[float, ...] = (0.5, 0.25)) -> FrontierOptions:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     text = tmp_path / "t.txt"
     text.write_text("text")
-    grid = FrontierGrid(families=("ours", "fetch-all", "zero"), fractions=(0.5, 0.25), taus=(0.1, 0.15),
+    grid = FrontierGrid(families=("ours", "fetch-all", "zero"), fractions=fractions, taus=(0.1, 0.15),
                         admits=("off",), evicts=("lru",), zero_taus=(0.2,), renorms=("off",))
     return FrontierOptions(out=tmp_path / "out", model=model, text=text, grid=grid, argv=("harness", "frontier"))
 
@@ -223,9 +223,9 @@ def test_frontier_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from harness.report.plots import write_frontier_plots
 
-    res = fr.run_frontier(_opts(tmp_path), SweepFake(), _info(), env=FakeEnv(tmp_path))
+    res = fr.run_frontier(_opts(tmp_path, (0.5, 0.125)), SweepFake(), _info(n_expert=16), env=FakeEnv(tmp_path))
     paths = write_frontier_plots(res, tmp_path / "plots")
-    assert sorted(p.name for p in paths) == ["frontier-25pct.png", "frontier-25pct.svg", "frontier-50pct.png",
+    assert sorted(p.name for p in paths) == ["frontier-12_5pct.png", "frontier-12_5pct.svg", "frontier-50pct.png",
                                              "frontier-50pct.svg"]
     assert all(p.stat().st_size > 1000 for p in paths)
 
@@ -263,7 +263,9 @@ def test_harness_report_rerenders_a_frontier_folder(tmp_path: Path, synth_models
 def test_the_anchors_are_named_configurations_of_the_catalogue() -> None:
     from harness.domain.catalogue import check_policies, policy_cache_spec
 
-    check_policies(["upstream", "cache-route", "zero", "ser"])
+    check_policies(["upstream", "cache-route", "zero", "ser", "zero-0.2"])
+    assert policy_cache_spec("zero-0.2", "emulate", 16, None).render() == (
+        "mode=emulate,slots=16,rule=zero,tau=0.2,evict=lfu,admit=off")
     assert policy_cache_spec("upstream", "engine", 16, None).render() == (
         "mode=engine,slots=16,rule=fetch-all,evict=classlru,admit=off")
     assert policy_cache_spec("ser", "emulate", 8, None).render() == "mode=emulate,slots=8,rule=ser,evict=lfu,admit=off"

@@ -122,6 +122,18 @@ def frontier_summary_lines(result: FrontierResult, level: str = "##") -> list[st
     return lines
 
 
+def study_frontier_lines(frontier: FrontierResult | None, note: str = "") -> list[str]:
+    """The study report's section "The frontier, side by side"."""
+    lines = ["## The frontier, side by side", ""]
+    if frontier is None:
+        return lines + [note, ""]
+    g = frontier.options.grid
+    lines += [f"All families at {', '.join(f'{x:.1%}' for x in g.fractions)} residency on the same tokens "
+              "(`frontier/report.md` has every point, `frontier/plots` the figures; `harness frontier`). "
+              + " ".join(f"`{f}`: {FRONTIER_FAMILIES[f]}." for f in FRONTIER_FAMILIES if f in g.families), ""]
+    return lines + frontier_summary_lines(frontier, "###")
+
+
 def render_frontier_markdown(result: FrontierResult) -> str:
     o = result.options
     lines = ["# harness frontier: the policies side by side", "",
@@ -200,15 +212,7 @@ def render_study_markdown(result: StudyResult) -> str:
                   f"{t.options.window} tokens after one.", ""]
     else:
         lines += [result.topics_note, ""]
-    lines += ["## The frontier, side by side", ""]
-    if result.frontier is not None:
-        lines += [f"All families at {', '.join(f'{x:.1%}' for x in result.frontier.options.grid.fractions)} "
-                  "residency on the same tokens (`frontier/report.md` has every point; `harness frontier`)."
-                  " " + " ".join(f"`{f}`: {FRONTIER_FAMILIES[f]}." for f in FRONTIER_FAMILIES
-                                 if f in result.frontier.options.grid.families), ""]
-        lines += frontier_summary_lines(result.frontier, "###")
-    else:
-        lines += [result.frontier_note, ""]
+    lines += study_frontier_lines(result.frontier, result.frontier_note)
     notes = list(c.notes) + list(c.warnings) + list(result.sweep.warnings)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]

@@ -220,7 +220,7 @@ def _yerr_rows(rows: Sequence[FrontierRow]) -> list[list[float]]:
 def write_frontier_plots(result: FrontierResult, out: Path) -> tuple[Path, ...]:
     """Per residency, delta-PPL% (95% CI bars) against bytes moved per token (left) and the cost model's
     estimated time per token (right), coloured by family, the Pareto frontier of each panel drawn, the presets
-    labelled. Writes out/frontier-<residency>.png/.svg."""
+    labelled. Writes out/frontier-<residency>pct.png/.svg (12_5pct for 12.5%)."""
     from harness.domain.catalogue import FRONTIER_FAMILIES
 
     families = [f for f in FRONTIER_FAMILIES if f in result.options.grid.families]
@@ -233,14 +233,14 @@ def write_frontier_plots(result: FrontierResult, out: Path) -> tuple[Path, ...]:
         fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
         _frontier_panel(left, rows, lambda r: r.bytes_moved / 1024 if r.bytes_moved is not None else None,
                         result.bytes_frontier.get(f, ()), families,
-                        "bytes moved per token, KiB (synchronous + background; host computes move none)")
+                        "bytes moved per token, KiB\n(synchronous + background; host computes move none)")
         _frontier_panel(right, rows, lambda r: r.est_ms_per_token, result.frontier.get(f, ()), families,
-                        f"decode time per token, ms: cost-model ESTIMATE ({result.options.profile}), not measured")
+                        f"decode time per token, ms\ncost-model ESTIMATE ({result.options.profile}), not measured")
         left.set_ylabel("delta PPL % vs the full model (bars: 95% CI, block bootstrap)")
         left.legend(loc="best", fontsize=8)
         fig.suptitle(f"The policies side by side at {f:.1%} residency (lower-left is better)")
         try:
-            paths += _save(fig, out / f"frontier-{f * 100:g}pct")
+            paths += _save(fig, out / f"frontier-{f * 100:g}pct".replace(".", "_"))  # 12.5% -> frontier-12_5pct
         finally:
             plt.close(fig)
     if not paths:
