@@ -6,7 +6,7 @@ import each other in a circle (tests/test_layers.py checks both):
 - `cli`: the `harness` command, an argparse adapter (parse, call one function, render); `cli.options` holds the
   options that several commands share.
 - `orchestration`: the commands: compare (its `planner`, run `executor`, `serialise`r of records and options,
-  `summary` statistics), sweep, topics, study, check, simulate, doctor, and `rerender` (`harness report`).
+  `summary` statistics), sweep, frontier, topics, study, check, simulate, doctor, and `rerender` (`harness report`).
   They run tools, summarise and write report.md through the report layer.
 - `report`: renderers, pure functions of results: terminal tables, markdown, simulate's tables, plots.
 - `domain`: what the layers hand each other: the policy `catalogue`, the perplexity `settings`, options,

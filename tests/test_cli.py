@@ -6,7 +6,7 @@ import pytest
 
 from harness.cli import build_parser, main
 
-COMMANDS = ("doctor", "info", "synth", "compare", "sweep", "check", "report", "topics", "study", "simulate",
+COMMANDS = ("doctor", "info", "synth", "compare", "sweep", "frontier", "check", "report", "topics", "study", "simulate",
             "calibrate", "composition", "generate")
 
 
@@ -30,8 +30,8 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     assert "invalid choice" in capsys.readouterr().err
 
 
-OUT_COMMANDS = (["compare"], ["sweep"], ["topics"], ["study"], ["check", "--baseline", "b.json"], ["composition"],
-                ["generate"])
+OUT_COMMANDS = (["compare"], ["sweep"], ["frontier"], ["topics"], ["study"], ["check", "--baseline", "b.json"],
+                ["composition"], ["generate"])
 
 
 @pytest.mark.parametrize("command", OUT_COMMANDS, ids=lambda c: c[0])

@@ -71,3 +71,34 @@ def test_policy_pairs_are_paired_on_the_same_tokens() -> None:
     p = policy_pairs(nll, [("quality", "rule-0.15"), ("speed", "rule-0.15")])
     assert list(p) == ["quality vs rule-0.15"]
     assert abs(p["quality vs rule-0.15"].delta_pct - (np.exp(-0.01) - 1) * 100) < 1e-9
+
+
+def test_the_whole_study_with_a_fake_runner_has_the_side_by_side_table(tmp_path: Path,
+                                                                       synth_models: dict[str, Path]) -> None:
+    """compare, sweep and the frontier (at the residency and half of it) on one fake runner; the report has the
+    verdicts and the side-by-side table; a second study resumes everything and runs nothing."""
+    from test_sweep import SweepFake
+
+    from harness.domain.options import StudyOptions
+    from harness.orchestration.study import study
+
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = StudyOptions(out=tmp_path / "study", model=synth_models["qwen3moe"], text=text, topics=False,
+                        residency=0.5, argv=("harness", "study"))
+    runner = SweepFake()
+    res = study(opts, runner=runner, env=FakeEnv(tmp_path))
+    assert res.frontier is not None and res.frontier.options.grid.fractions == (0.5, 0.25)
+    assert {r.point.slots for r in res.frontier.rows} == {8, 4}  # 16 experts, k = 4
+    md = (tmp_path / "study" / "report.md").read_text()
+    assert "## Verdicts" in md and "## The frontier, side by side" in md
+    assert "### 50.0% resident (8 slots per layer)" in md and "### 25.0% resident (4 slots per layer)" in md
+    assert "| family | at <= +0.5% delta PPL: fewest bytes/token | at <= +1% delta PPL: fewest bytes/token |" in md
+    assert (tmp_path / "study" / "frontier" / "report.md").is_file()
+    again = SweepFake()
+    again.dumps = runner.dumps
+    study(opts, runner=again, env=FakeEnv(tmp_path))
+    assert again.calls == []
+    skipped = study(StudyOptions(out=tmp_path / "study", model=synth_models["qwen3moe"], text=text, topics=False,
+                                 frontier=False, residency=0.5), runner=again, env=FakeEnv(tmp_path))
+    assert skipped.frontier is None and "not run (--no-frontier)" in (tmp_path / "study" / "report.md").read_text()

@@ -178,6 +178,72 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.set_defaults(func=_cmd_sweep)
 
 
+def _cmd_frontier(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness.domain.options import FrontierGrid, FrontierOptions
+    from harness.orchestration import frontier
+    from harness.report import markdown
+
+    grid = FrontierGrid(families=options.words(args.families),
+                        fractions=tuple(f / 100 for f in options.floats(args.residency)),
+                        taus=options.floats(args.taus), admits=options.words(args.admits),
+                        evicts=options.words(args.evicts), j=options.ints(args.j, "--j"), m=options.words(args.m),
+                        alpha=options.floats(args.alpha), zero_taus=options.floats(args.zero_taus),
+                        renorms=options.words(args.renorm), kmins=options.ints(args.kmin, "--kmin"),
+                        ts=options.floats(args.t))
+    opts = FrontierOptions(out=options.out_dir(args, "frontier"), model=args.model, grid=grid, seed=args.seed,
+                           profile=args.profile, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("frontier", lambda progress: frontier.frontier(opts, progress))
+    console.print(Markdown("\n".join(markdown.frontier_summary_lines(result))))
+    console.print(f"report: {opts.out / 'report.md'}", markup=False, highlight=False)
+    return 130 if result.interrupted else 0
+
+
+def _add_frontier(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.catalogue import FRONTIER_FAMILIES
+    from harness.domain.options import FrontierGrid
+
+    g = FrontierGrid()
+
+    def join(xs: tuple[object, ...]) -> str:
+        return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)
+
+    f = sub.add_parser("frontier", help="every family of policies (ours, fetch-all, the anchors', upstream's CPU "
+                       "share, combinations) side by side at the same residencies: delta PPL vs bytes moved and "
+                       "estimated time, the frontier, the fewest bytes per family within +0.5%% / +1%%")
+    options.add_model(f)
+    options.add_text(f)
+    f.add_argument("--families", default=join(g.families), help=f"families, from: {', '.join(FRONTIER_FAMILIES)} "
+                   "(default: all)")
+    f.add_argument("--residency", default=join(tuple(x * 100 for x in g.fractions)),
+                   help="resident percent of each layer's experts (default: %(default)s)")
+    f.add_argument("--taus", default=join(g.taus), help="ours: thresholds of the threshold rule (default: "
+                   "%(default)s)")
+    f.add_argument("--admits", default=join(g.admits), help="ours: admission, off or beta values (default: "
+                   "%(default)s)")
+    f.add_argument("--evicts", default=join(g.evicts), help="fetch-all: evictions (default: %(default)s)")
+    f.add_argument("--j", default=join(g.j), help="cache-route: ranks always computed, in [0, k] (default: "
+                   "%(default)s)")
+    f.add_argument("--m", default=join(g.m), help="cache-route: window of router ranks, in [k, n_expert], a "
+                   "multiple of k (4k), or auto = 2k (default: %(default)s)")
+    f.add_argument("--alpha", default=join(g.alpha), help="cache-route: substitutes' weight scale, in [0, 1] "
+                   "(default: %(default)s)")
+    f.add_argument("--zero-taus", default=join(g.zero_taus), help="zero: thresholds, in [0, 1] (default: "
+                   "%(default)s)")
+    f.add_argument("--renorm", default=join(g.renorms), help="zero, ser: off, on (default: %(default)s)")
+    f.add_argument("--kmin", default=join(g.kmins), help="ser: ranks always run, in [1, k] (default: %(default)s)")
+    f.add_argument("--t", default=join(g.ts), help="ser: ratio to rank 0's gate weight, in [0, 1] (default: "
+                   "%(default)s)")
+    options.add_ctx(f, 512)
+    options.add_chunks(f, 32)
+    options.add_threads(f)
+    f.add_argument("--profile", default="rtx3090", help="hardware profile for time estimates (default: %(default)s)")
+    options.add_out(f, "results folder (default: results/frontier); an existing one is resumed")
+    options.add_seed(f)
+    f.set_defaults(func=_cmd_frontier)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from harness.orchestration import check
 
@@ -266,9 +332,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from harness.report import markdown
 
     opts = StudyOptions(out=options.out_dir(args, "study"), model=args.model, residency=args.residency / 100,
-                        topics=not args.no_topics, composition=not args.no_composition,
-                        generation=not args.no_generation, tokenizer=args.tokenizer, seed=args.seed,
-                        argv=tuple(sys.argv), **options.perplexity_settings(args))
+                        topics=not args.no_topics, frontier=not args.no_frontier,
+                        composition=not args.no_composition, generation=not args.no_generation,
+                        tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
+                        **options.perplexity_settings(args))
     result = study.study(opts)
     console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
@@ -286,6 +353,8 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     options.add_chunks(s, 32)
     options.add_threads(s)
     s.add_argument("--no-topics", action="store_true", help="skip the topic-change part")
+    s.add_argument("--no-frontier", action="store_true", help="skip the side-by-side frontier (harness frontier at "
+                   "the residency and half of it)")
     s.add_argument("--no-composition", action="store_true", help="skip Experiment B (finding 3)")
     s.add_argument("--no-generation", action="store_true", help="skip the generation test (it needs ./build.sh "
                    "--bindings)")
@@ -474,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_compare(sub)
     _add_sweep(sub)
+    _add_frontier(sub)
     _add_check_and_report(sub)
     _add_topics(sub)
     _add_study(sub)

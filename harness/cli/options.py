@@ -71,3 +71,10 @@ def floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise HarnessError(f"not a comma-separated list of numbers: {text!r}") from None
+
+
+def ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise HarnessError(f"{what}: not a comma-separated list of integers: {text!r}") from None

@@ -24,6 +24,17 @@ POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
     "rule-0.15": (("rule", "threshold"), ("tau", "0.15"), ("evict", "lfu"), ("admit", "off")),
     "first-choice": (("rule", "first-choice"), ("evict", "lfu"), ("admit", "off")),
     "substitute-all": (("rule", "substitute-all"), ("evict", "lfu"), ("admit", "off")),
+    # the anchors at their defaults (docs/expert-cache.md, "The anchors' policies"): upstream llama.cpp's cache
+    # (every miss fetched, ClassLRU), colibri's CACHE_ROUTE and DEGRADE_ZERO, ik_llama.cpp's SER (LFU, no admission)
+    "upstream": (("rule", "fetch-all"), ("evict", "classlru"), ("admit", "off")),
+    "cache-route": (("rule", "cache-route"), ("evict", "lfu"), ("admit", "off")),
+    "zero": (("rule", "zero"), ("evict", "lfu"), ("admit", "off")),
+    "ser": (("rule", "ser"), ("evict", "lfu"), ("admit", "off")),
+    # from `harness frontier` on the trained model (eval/study-tinymoe/frontier/report.md): colibri's DEGRADE_ZERO
+    # at tau 0.2, no renormalisation. At 25% residency it dominates both presets (point estimates: speed by -0.82%
+    # [95% CI -1.31, -0.37] at no more estimated time, quality at equal delta with 59.5 against 332 KiB per token);
+    # at 12.5% it is on the frontier at +1.32% against speed's +3.32%. A harness name only (no engine preset).
+    "zero-0.2": (("rule", "zero"), ("tau", "0.2"), ("evict", "lfu"), ("admit", "off")),
 }
 KNOWN_POLICIES = tuple(POLICIES)
 DEFAULT_POLICIES = ("quality", "speed", "fetch-all")  # compare, check (a new baseline) and simulate
@@ -66,3 +77,27 @@ def policy_items(policy: str) -> tuple[tuple[str, str], ...]:
     if policy not in POLICIES:
         raise HarnessError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
     return POLICIES[policy]
+
+
+# harness frontier: the families of policies run side by side (each family's knobs over FrontierGrid), with what
+# each stands for. The anchors' rules run with LFU eviction and no admission, as the bare rules of ours do, so that
+# a family differs from ours by its rule alone; upstream's own cache is `fetch-all` with `classlru`, its CPU share
+# is `host` (light=host, with classlru); `combos` are combinations of an anchor's idea with ours.
+FRONTIER_FAMILIES: dict[str, str] = {
+    "ours": "the threshold rule over tau and first-choice, with and without admission (LFU); the presets quality "
+            "and speed run as presets",
+    "fetch-all": "every miss fetched, evicting by LRU, LFU or ClassLRU (upstream llama.cpp's cache: fetch-all + "
+                 "classlru)",
+    "cache-route": "colibri's CACHE_ROUTE: ranks below j always computed, substitutes from the router's top m, "
+                   "their weight scaled by alpha (LFU, no admission)",
+    "zero": "colibri's DEGRADE_ZERO: misses below tau dropped, the rest fetched, renorm off/on (LFU)",
+    "ser": "ik_llama.cpp's Smart Expert Reduction: the first kmin ranks run, a later one if its weight > t x rank "
+           "0's, renorm off/on (LFU)",
+    "host": "upstream's CPU share (light=host): the misses a rule does not fetch are computed on the host with the "
+            "missed expert (exact), for first-choice, the 0.15 rule and substitute-all (classlru)",
+    "combos": "combinations: a rank window with admission (cache-route + admit 0.5), the 0.15 rule with upstream's "
+              "ClassLRU (admit 0.5), the 0.15 rule with host computes for its light misses (light=host)",
+}
+FRONTIER_FRACTIONS = (0.25, 0.125)  # the residencies of the side-by-side comparison
+FRONTIER_BOUNDS = (0.5, 1.0)  # delta-PPL% bounds of the table "fewest bytes per token at <= bound"
+FRONTIER_PRESETS = ("quality", "speed")  # the presets that must be on the frontier

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.core.sizes import Size
-from harness.domain.catalogue import DEFAULT_POLICIES, SWEEP_RULES, SWEEP_TAUS
+from harness.domain.catalogue import DEFAULT_POLICIES, FRONTIER_FAMILIES, FRONTIER_FRACTIONS, SWEEP_RULES, SWEEP_TAUS
 from harness.domain.settings import PerplexitySettings
 
 
@@ -60,6 +60,38 @@ class SweepOptions(PerplexitySettings):
 
 
 @dataclass(frozen=True)
+class FrontierGrid:
+    """The knobs of `harness frontier`, per family (catalogue.FRONTIER_FAMILIES); validated against the model by
+    harness.orchestration.frontier.frontier_points."""
+
+    families: tuple[str, ...] = tuple(FRONTIER_FAMILIES)
+    fractions: tuple[float, ...] = FRONTIER_FRACTIONS  # resident share of each layer's experts
+    taus: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25)  # ours: thresholds of the threshold rule
+    admits: tuple[str, ...] = ("off", "0.5")  # ours: admission, "off" or a beta
+    evicts: tuple[str, ...] = ("lru", "lfu", "classlru")  # fetch-all: evictions
+    j: tuple[int, ...] = (1, 2)  # cache-route: ranks always computed, in [0, k]
+    m: tuple[str, ...] = ("auto", "4k")  # cache-route: the window of router ranks in [k, n_expert], xk or auto (2k)
+    alpha: tuple[float, ...] = (1.0, 0.5)  # cache-route: substitutes' weight scale, in [0, 1]
+    zero_taus: tuple[float, ...] = (0.03, 0.1, 0.2)  # zero: thresholds, in [0, 1]
+    renorms: tuple[str, ...] = ("off", "on")  # zero, ser
+    kmins: tuple[int, ...] = (1, 2)  # ser: ranks always run, in [1, k]
+    ts: tuple[float, ...] = (0.1, 0.3)  # ser: ratio to rank 0's weight, in [0, 1]
+
+
+@dataclass(frozen=True)
+class FrontierOptions(PerplexitySettings):
+    """`text` None: the held-out text."""
+
+    out: Path
+    model: Path | None = None
+    grid: FrontierGrid = FrontierGrid()
+    n_boot: int = 2000
+    seed: int = 0
+    profile: str = "rtx3090"  # hardware profile for the time-per-token estimates
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TopicOptions(PerplexitySettings):
     """`text` None: eval/data/topic-shift.txt (segments: the .json next to it)."""
 
@@ -81,6 +113,7 @@ class StudyOptions(PerplexitySettings):
     chunks: int | None = field(default=32, kw_only=True)
     residency: float = 0.25
     topics: bool = True
+    frontier: bool = True  # the side-by-side frontier at the residency and half of it
     composition: bool = True  # finding 3: Experiment B (harness composition)
     generation: bool = True  # the generation test (harness generate)
     tokenizer: Path | None = None

@@ -174,12 +174,17 @@ class SweepPoint:
     evict: str
     fraction: float
     slots: int
+    family: str = ""  # harness frontier: the family of policies the point belongs to (catalogue.FRONTIER_FAMILIES)
+    preset: str | None = None  # a preset (`policy=...`) run as such; rule, tau, admit and evict then describe it
+    params: tuple[tuple[str, str], ...] = ()  # further spec keys (j, m, alpha, renorm, kmin, t, light)
 
     def cache(self, stats: str | None) -> CacheSpec:
+        if self.preset is not None:
+            return CacheSpec("emulate", self.preset, self.slots, stats, self.params)
         extra: list[tuple[str, str]] = [("rule", self.rule)]
         if self.tau is not None:
             extra.append(("tau", f"{self.tau:g}"))
-        extra += [("evict", self.evict), ("admit", self.admit)]
+        extra += [("evict", self.evict), ("admit", self.admit), *self.params]
         return CacheSpec("emulate", None, self.slots, stats, tuple(extra))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.domain.options import CompareOptions, StudyOptions, SweepOptions, TopicOptions
+from harness.domain.options import CompareOptions, FrontierOptions, StudyOptions, SweepOptions, TopicOptions
 from harness.domain.plan import ComparePlan, SweepPoint
 from harness.parsers.cache_stats import CacheStats
 from harness.stats.intervals import Correlation, DeltaPPL, MeanCI, RatioCI
@@ -123,6 +123,73 @@ class SweepResult:
     warnings: tuple[str, ...]
 
 
+# ---- frontier ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrontierRow:
+    """One policy at one residency of `harness frontier`. Bytes are per decoded token, from the emulate run's
+    counters: synchronous fetches and background admissions times the bytes of one expert (host computes move
+    none). `est_ms_per_token` is the cost model's estimate, not a measurement."""
+
+    point: SweepPoint
+    ppl: float
+    delta: DeltaPPL | None
+    hit_rate: float | None
+    substitution_rate: float | None
+    substituted_mass: float | None
+    fetches_per_token: float | None
+    sync_bytes: float | None  # synchronous fetches x expert bytes, per token
+    background_bytes: float | None  # background admissions x expert bytes, per token
+    host_computes_per_token: float | None
+    est_ms_per_token: float | None
+
+    @property
+    def bytes_moved(self) -> float | None:
+        if self.sync_bytes is None or self.background_bytes is None:
+            return None
+        return self.sync_bytes + self.background_bytes
+
+
+@dataclass(frozen=True)
+class BoundCell:
+    """Of one family at one residency, the row with the fewest bytes moved per token whose delta-PPL (point
+    estimate) is at most `bound` percent; None when no row of the family meets it."""
+
+    family: str
+    fraction: float
+    bound: float
+    row: FrontierRow | None
+
+
+@dataclass(frozen=True)
+class PresetCheck:
+    """Is a preset on the Pareto frontier (delta-PPL vs estimated time) at a residency; if not, who dominates it."""
+
+    preset: str
+    fraction: float
+    name: str  # the point's name; "" when the preset did not run
+    on_frontier: bool
+    dominated_by: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FrontierResult:
+    options: FrontierOptions
+    full_ppl: float | None
+    bytes_per_expert: int
+    rows: tuple[FrontierRow, ...]
+    frontier: dict[float, tuple[str, ...]]  # per residency: names on the delta-PPL / est. time frontier
+    bytes_frontier: dict[float, tuple[str, ...]]  # per residency: names on the delta-PPL / bytes moved frontier
+    table: tuple[BoundCell, ...]
+    presets: tuple[PresetCheck, ...]
+    results_path: Path
+    n_run: int
+    n_resumed: int
+    interrupted: bool
+    warnings: tuple[str, ...]
+
+
 # ---- topics -----------------------------------------------------------------------------------------------
 
 
@@ -164,6 +231,8 @@ class StudyResult:
     topics: TopicResult | None
     topics_note: str
     verdicts: tuple[Verdict, ...]
+    frontier: FrontierResult | None = None
+    frontier_note: str = ""
 
 
 # ---- simulate ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""`harness report RESULTS`: re-read a results folder of `compare` or `sweep` and render it again (terminal and
-report.md). Nothing is run; every statistic is recomputed from the raw records and NLL dumps."""
+"""`harness report RESULTS`: re-read a results folder of `compare`, `sweep` or `frontier` and render it again
+(terminal and report.md). Nothing is run; every statistic is recomputed from the raw records and NLL dumps."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from rich.console import Group
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
 from harness.orchestration.compare import reload_compare
+from harness.orchestration.frontier import reload_frontier
 from harness.orchestration.serialise import read_meta
 from harness.orchestration.sweep import reload_sweep
-from harness.report.markdown import render_compare_markdown, render_sweep_markdown
+from harness.report.markdown import render_compare_markdown, render_frontier_markdown, render_sweep_markdown
 from harness.report.terminal import render_compare, render_sweep
 
 
@@ -28,16 +29,17 @@ class Rerendered:
 
 
 def rerender(out: Path, *, model: Path | None = None, plots: bool = False) -> Rerendered:
-    """Re-render a results folder; with `plots`, also draw a sweep's figures into its plots/ folder."""
+    """Re-render a results folder; with `plots`, also draw a sweep's or a frontier's figures into its plots/
+    folder."""
     path = out / "results.jsonl" if out.is_dir() else out
     if not path.is_file():
         raise HarnessError(f"no results at {path}: pass the --out folder of a compare or sweep run")
     folder = path.parent
     meta = next((r for r in ResultsFile(path).read() if r.get("kind") == "meta"), None)
     command = str(meta.get("command")) if meta else ""
-    if plots and command != "sweep":
+    if plots and command not in ("sweep", "frontier"):
         raise HarnessError(f"{folder} is a {command or 'non-sweep'} folder: plots need a sweep folder "
-                           "(harness sweep --out DIR), as they show the policies of a sweep")
+                           "(harness sweep --out DIR) or a frontier folder, as they show the policies of a sweep")
     figures: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
     if command == "compare":
@@ -50,6 +52,18 @@ def rerender(out: Path, *, model: Path | None = None, plots: bool = False) -> Re
             from harness.report.plots import write_sweep_plots
 
             figures, notes = write_sweep_plots(s, folder / "plots")
+    elif command == "frontier":
+        from rich.markdown import Markdown
+
+        from harness.report.markdown import frontier_summary_lines
+
+        f = reload_frontier(folder, model=model)
+        md = render_frontier_markdown(f)
+        terminal = Group(Markdown("\n".join(frontier_summary_lines(f))))
+        if plots:
+            from harness.report.plots import write_frontier_plots
+
+            figures = write_frontier_plots(f, folder / "plots")
     else:
         read_meta(ResultsFile(path), "compare")  # raises with the reason
         raise HarnessError(f"{path}: unknown command {command!r}")

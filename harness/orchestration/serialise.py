@@ -16,7 +16,7 @@ from typing import Any
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile
 from harness.core.sizes import Size
-from harness.domain.options import CompareOptions, SweepGrid, SweepOptions
+from harness.domain.options import CompareOptions, FrontierGrid, FrontierOptions, SweepGrid, SweepOptions
 from harness.domain.plan import ComparePlan, RunSpec
 
 # the meta record's options, per command, in the order of the files written so far
@@ -26,6 +26,9 @@ COMPARE_OPTION_KEYS = ("out", "model", "vram", "policies", "text", "dataset", "r
 SWEEP_OPTION_KEYS = ("out", "model", "text", "grid", "n_ctx", "chunks", "threads", "n_boot", "seed", "profile",
                      "argv")
 SWEEP_GRID_KEYS = ("rules", "taus", "admits", "evicts", "fractions")
+FRONTIER_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "profile", "argv")
+FRONTIER_GRID_KEYS = ("families", "fractions", "taus", "admits", "evicts", "j", "m", "alpha", "zero_taus", "renorms",
+                      "kmins", "ts")
 TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", "window", "n_ctx", "chunks",
                      "threads", "n_boot", "seed", "argv")
 
@@ -139,6 +142,21 @@ def sweep_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
                         argv=tuple(o.get("argv", ())))
 
 
+def frontier_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
+                               model: Path | None = None) -> FrontierOptions:
+    """The options and grid of a frontier meta record (`model` overrides a moved model)."""
+    grid = FrontierGrid(
+        families=tuple(g["families"]), fractions=tuple(float(x) for x in g["fractions"]),
+        taus=tuple(float(x) for x in g["taus"]), admits=tuple(g["admits"]), evicts=tuple(g["evicts"]),
+        j=tuple(int(x) for x in g["j"]), m=tuple(str(x) for x in g["m"]), alpha=tuple(float(x) for x in g["alpha"]),
+        zero_taus=tuple(float(x) for x in g["zero_taus"]), renorms=tuple(g["renorms"]),
+        kmins=tuple(int(x) for x in g["kmins"]), ts=tuple(float(x) for x in g["ts"]))
+    return FrontierOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
+                           n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
+                           n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
+                           argv=tuple(o.get("argv", ())))
+
+
 def _model_stat(model: Path) -> list[Any]:
     st = model.stat()
     return [str(model.resolve()), st.st_size, int(st.st_mtime)]
@@ -167,6 +185,11 @@ def compare_fingerprint(opts: CompareOptions, plan: ComparePlan, binaries: dict[
 def sweep_fingerprint(model: Path, text: Path, opts: SweepOptions, binaries: dict[str, str]) -> str:
     return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": opts.n_ctx, "chunks": opts.chunks,
                     "binaries": binaries, "command": "sweep"})
+
+
+def frontier_fingerprint(model: Path, text: Path, opts: FrontierOptions, binaries: dict[str, str]) -> str:
+    return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": opts.n_ctx, "chunks": opts.chunks,
+                    "binaries": binaries, "command": "frontier"})
 
 
 def topics_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, policy: str, slots: int,

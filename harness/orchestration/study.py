@@ -5,6 +5,9 @@ Runs (each resumable, in its own folder under --out):
   substitute-all, first-choice, quality-first and speed-first;
 - `sweep/`: thresholds and first-choice with and without admission, for the mass hypothesis;
 - `topics/`: quality-first with and without admission on the topic-shift text;
+- `frontier/`: every family of policies (ours, fetch-all, the anchors', upstream's CPU share, combinations) side
+  by side at the residency and half of it (`harness frontier`): the table of the fewest bytes per token within
+  +0.5% and +1% delta-PPL, and whether the presets are on the frontier.
 - `composition/`: Experiment B (finding 3), `generation/`: the generation test (harness.orchestration.study_parts).
 Findings tested (numbering as in PAPER.md):
 1. quality loss is concentrated in heavily weighted substitutions: the 0.15 rule substitutes nearly as many
@@ -25,10 +28,19 @@ from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, STUDY_POLICIES, SWEEP_TAUS
-from harness.domain.options import CompareOptions, StudyOptions, SweepGrid, SweepOptions, TopicOptions
-from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult, Verdict
+from harness.domain.options import (
+    CompareOptions,
+    FrontierGrid,
+    FrontierOptions,
+    StudyOptions,
+    SweepGrid,
+    SweepOptions,
+    TopicOptions,
+)
+from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult, Verdict
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
+from harness.orchestration.frontier import frontier
 from harness.orchestration.study_parts import composition_part, finding3, generation_part
 from harness.orchestration.summary import load_nlls
 from harness.orchestration.sweep import sweep
@@ -150,12 +162,20 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
             note = ""
         except HarnessError as e:
             note = f"not run: {e}"
+    fr: FrontierResult | None = None
+    fnote = "not run (--no-frontier)"
+    if opts.frontier:
+        fr = frontier(FrontierOptions(out=opts.out / "frontier", model=c.options.model, text=c.options.text,
+                                      grid=FrontierGrid(fractions=(opts.residency, opts.residency / 2)),
+                                      n_ctx=opts.n_ctx, chunks=opts.chunks, threads=opts.threads, seed=opts.seed,
+                                      argv=opts.argv), progress, runner=runner, env=env)
+        fnote = ""
     comp, comp_note = composition_part(replace(opts, model=c.options.model, text=c.options.text), progress,
                                        runner=runner, env=env)
     gen, gen_note = generation_part(replace(opts, model=c.options.model), progress, env=env)
     vs = list(verdicts(c, pairs, s, t))
     vs.insert(2, finding3(comp, comp_note))  # after 1 and 2, before 4 and 5
-    result = StudyResult(opts, c, pairs, s, t, note, tuple(vs))
+    result = StudyResult(opts, c, pairs, s, t, note, tuple(vs), fr, fnote)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "report.md").write_text(render_study_markdown(result) + "\n" +
                                         study_parts_markdown(comp, comp_note, gen, gen_note))

@@ -20,7 +20,7 @@ from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, RULES
 from harness.domain.costmodel import cache_work, estimate, load_profile
-from harness.domain.options import SweepGrid, SweepOptions
+from harness.domain.options import FrontierOptions, SweepGrid, SweepOptions
 from harness.domain.plan import RunSpec, SweepPoint, plan_slots
 from harness.domain.results import MassHypothesis, SweepResult, SweepRow
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
@@ -87,13 +87,14 @@ def mass_hypothesis(rows: Sequence[SweepRow], *, level: float = 0.95) -> MassHyp
         return MassHypothesis(None, len(pts), str(e))
 
 
-def _resolved(opts: SweepOptions) -> tuple[Path, Path]:
+def _resolved(opts: SweepOptions | FrontierOptions) -> tuple[Path, Path]:
     if opts.model is None or opts.text is None:
         raise HarnessError("no model or text given")  # sweep() fills in the defaults
     return opts.model, opts.text
 
 
-def sweep_runs(opts: SweepOptions, points: Sequence[SweepPoint]) -> list[RunSpec]:
+def sweep_runs(opts: SweepOptions | FrontierOptions, points: Sequence[SweepPoint]) -> list[RunSpec]:
+    """The full model, then every point: one llama-perplexity run each (NLL dump, statistics); also `frontier`'s."""
     model, text = _resolved(opts)
     placement = Placement(n_cpu_moe=999)  # quality only: every expert tensor stays in host memory
 

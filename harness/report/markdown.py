@@ -3,16 +3,22 @@ returning text. Every +/- says what it is."""
 
 from __future__ import annotations
 
-from harness.domain.results import CompareResult, StudyResult, SweepResult, TopicResult
+from harness.domain.catalogue import FRONTIER_FAMILIES
+from harness.domain.costmodel import load_profile
+from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult
 from harness.report.tables import (
+    FRONTIER_HEADER,
     RAM_COLUMNS,
     SWEEP_HEADER,
+    bound_table_rows,
     config_label,
     delta_cell,
     estimate_cells,
+    frontier_cells,
     mass_line,
     md_table,
     plan_lines,
+    preset_line,
     quality_cells,
     ram_rows,
     shown,
@@ -88,6 +94,71 @@ def render_sweep_markdown(result: SweepResult) -> str:
     return "\n".join(lines)
 
 
+# ---- frontier ---------------------------------------------------------------------------------------------
+
+
+def _host_term(profile: str) -> str:
+    p = load_profile(profile)
+    return (f"a host-computed expert (light=host) is charged its bytes at the profile's host memory bandwidth "
+            f"({p.cpu_bw_gbs:g} GB/s) plus {p.host_expert_us:g} us (activations to the host and back, CPU op "
+            "dispatch), serially: the profile's `sources` say where each figure comes from (estimates, unmeasured).")
+
+
+def frontier_summary_lines(result: FrontierResult, level: str = "##") -> list[str]:
+    """The side-by-side tables (one per residency), and whether the presets are on the frontier."""
+    o = result.options
+    lines = [f"Bytes moved per token: synchronous fetches and background admissions, each times one expert's "
+             f"{result.bytes_per_expert / 1024:g} KiB (host computes move none but cost time). The bound is on "
+             "delta PPL's point estimate (its paired 95% CI shown); among the family's points within it, the one "
+             "moving the fewest bytes (sync + background), ties by estimated time. `est.` is the cost model on "
+             f"the `{o.profile}` profile: an estimate, not a measurement; {_host_term(o.profile)}", ""]
+    for f in o.grid.fractions:
+        slots = next((r.point.slots for r in result.rows if r.point.fraction == f), None)
+        header, rows = bound_table_rows(result.table, f)
+        lines += [f"{level} {f:.1%} resident" + (f" ({slots} slots per layer)" if slots is not None else ""), "",
+                  md_table(header, rows), ""]
+    lines += [f"{level} Presets on the frontier", ""]
+    lines += [f"- {preset_line(p)}" for p in result.presets] + [""]
+    return lines
+
+
+def study_frontier_lines(frontier: FrontierResult | None, note: str = "") -> list[str]:
+    """The study report's section "The frontier, side by side"."""
+    lines = ["## The frontier, side by side", ""]
+    if frontier is None:
+        return lines + [note, ""]
+    g = frontier.options.grid
+    lines += [f"All families at {', '.join(f'{x:.1%}' for x in g.fractions)} residency on the same tokens "
+              "(`frontier/report.md` has every point, `frontier/plots` the figures; `harness frontier`). "
+              + " ".join(f"`{f}`: {FRONTIER_FAMILIES[f]}." for f in FRONTIER_FAMILIES if f in g.families), ""]
+    return lines + frontier_summary_lines(frontier, "###")
+
+
+def render_frontier_markdown(result: FrontierResult) -> str:
+    o = result.options
+    lines = ["# harness frontier: the policies side by side", "",
+             f"Model `{shown(o.model)}`, text `{shown(o.text)}`, context {o.n_ctx}"
+             + (f", {o.chunks} chunks" if o.chunks else "") + ". Every policy runs in emulate mode on the same "
+             "tokens at each residency; delta PPL is paired against the full model (cache off), with a 95% CI from "
+             f"a block bootstrap over chunks ({o.n_boot} replicates, seed {o.seed}).", "",
+             "Families:", ""]
+    lines += [f"- `{f}`: {FRONTIER_FAMILIES[f]}" for f in FRONTIER_FAMILIES if f in o.grid.families] + [""]
+    lines += frontier_summary_lines(result)
+    lines += ["## Every point", "",
+              "`frontier`: `t` on the Pareto frontier of delta PPL against estimated time per token, `b` against "
+              "bytes moved per token (both at that residency, on point estimates).", ""]
+    for f in o.grid.fractions:
+        rows = [r for r in result.rows if r.point.fraction == f]
+        lines += [f"### {f:.1%} resident", "",
+                  md_table(FRONTIER_HEADER, [frontier_cells(r, result.frontier.get(f, ()),
+                                                            result.bytes_frontier.get(f, ())) for r in rows]), ""]
+    if result.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in result.warnings] + [""]
+    lines += [f"Raw records: `{shown(result.results_path)}`; command: `{' '.join(o.argv) or 'harness frontier'}`. "
+              "Plots: `harness report DIR --plots`.", ""]
+    return "\n".join(lines)
+
+
 # ---- topic changes ----------------------------------------------------------------------------------------------
 
 
@@ -141,6 +212,7 @@ def render_study_markdown(result: StudyResult) -> str:
                   f"{t.options.window} tokens after one.", ""]
     else:
         lines += [result.topics_note, ""]
+    lines += study_frontier_lines(result.frontier, result.frontier_note)
     notes = list(c.notes) + list(c.warnings) + list(result.sweep.warnings)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]

@@ -1,4 +1,5 @@
-"""Figures for `harness report DIR --plots`: the quality/speed frontier and the mass hypothesis of a sweep.
+"""Figures for `harness report DIR --plots`: the quality/speed frontier and the mass hypothesis of a sweep, and the
+side-by-side frontier of `harness frontier` (one figure per residency).
 
 The figures are drawn from an already summarised sweep (`SweepResult`): nothing is recomputed here except
 the least-squares line of the mass plot. matplotlib is an optional extra (`pip install -e '.[plot]'`); it is
@@ -14,7 +15,7 @@ from typing import Any
 
 from harness.core.errors import HarnessError
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING
-from harness.domain.results import MassHypothesis, SweepResult, SweepRow
+from harness.domain.results import FrontierResult, FrontierRow, MassHypothesis, SweepResult, SweepRow
 from harness.stats.frontier import pareto_front
 
 FORMATS = ("png", "svg")
@@ -182,3 +183,66 @@ def write_sweep_plots(result: SweepResult, out: Path) -> tuple[tuple[Path, ...],
         mass_paths, _ = plot_mass(result.rows, result.mass, out / "mass")
         paths += mass_paths
     return tuple(paths), tuple(notes)
+
+
+def _frontier_panel(ax: Any, rows: Sequence[FrontierRow], x_of: Callable[[FrontierRow], float | None],
+                    front: Sequence[str], families: Sequence[str], xlabel: str) -> None:
+    markers = "osD^v<>PX*"
+    for i, fam in enumerate(families):
+        pts = [r for r in rows if r.point.family == fam and r.delta is not None and x_of(r) is not None]
+        if not pts:
+            continue
+        ys = [r.delta.delta_pct for r in pts if r.delta is not None]
+        ax.errorbar([float(x_of(r) or 0.0) for r in pts], ys, yerr=_yerr_rows(pts), fmt=markers[i % len(markers)],
+                    color=f"C{i}", ecolor=f"C{i}", alpha=0.75, capsize=2, markersize=5, label=fam)
+    on = sorted((r for r in rows if r.point.name in front and x_of(r) is not None and r.delta is not None),
+                key=lambda r: float(x_of(r) or 0.0))
+    if on:
+        ax.plot([float(x_of(r) or 0.0) for r in on], [r.delta.delta_pct for r in on if r.delta is not None],
+                "-", color="0.2", linewidth=1.0, label="Pareto frontier")
+    for r in rows:
+        if r.point.preset is not None and r.delta is not None and x_of(r) is not None:
+            ax.annotate(r.point.preset, (float(x_of(r) or 0.0), r.delta.delta_pct), textcoords="offset points",
+                        xytext=(6, 6), fontsize=8, fontweight="bold")
+    ax.axhline(0.0, color="0.3", linewidth=0.8, linestyle=":")
+    ax.set_xlabel(xlabel)
+    ax.grid(True, alpha=0.3)
+
+
+def _yerr_rows(rows: Sequence[FrontierRow]) -> list[list[float]]:
+    """Bar lengths below and above the point (clipped at 0: a percentile CI of an exactly constant shift can miss
+    its point estimate by rounding)."""
+    lo = [max(0.0, r.delta.delta_pct - r.delta.low) if r.delta else 0.0 for r in rows]
+    hi = [max(0.0, r.delta.high - r.delta.delta_pct) if r.delta else 0.0 for r in rows]
+    return [lo, hi]
+
+
+def write_frontier_plots(result: FrontierResult, out: Path) -> tuple[Path, ...]:
+    """Per residency, delta-PPL% (95% CI bars) against bytes moved per token (left) and the cost model's
+    estimated time per token (right), coloured by family, the Pareto frontier of each panel drawn, the presets
+    labelled. Writes out/frontier-<residency>pct.png/.svg (12_5pct for 12.5%)."""
+    from harness.domain.catalogue import FRONTIER_FAMILIES
+
+    families = [f for f in FRONTIER_FAMILIES if f in result.options.grid.families]
+    paths: list[Path] = []
+    plt = _pyplot()
+    for f in result.options.grid.fractions:
+        rows = [r for r in result.rows if r.point.fraction == f]
+        if not any(r.delta is not None for r in rows):
+            continue
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
+        _frontier_panel(left, rows, lambda r: r.bytes_moved / 1024 if r.bytes_moved is not None else None,
+                        result.bytes_frontier.get(f, ()), families,
+                        "bytes moved per token, KiB\n(synchronous + background; host computes move none)")
+        _frontier_panel(right, rows, lambda r: r.est_ms_per_token, result.frontier.get(f, ()), families,
+                        f"decode time per token, ms\ncost-model ESTIMATE ({result.options.profile}), not measured")
+        left.set_ylabel("delta PPL % vs the full model (bars: 95% CI, block bootstrap)")
+        left.legend(loc="best", fontsize=8)
+        fig.suptitle(f"The policies side by side at {f:.1%} residency (lower-left is better)")
+        try:
+            paths += _save(fig, out / f"frontier-{f * 100:g}pct".replace(".", "_"))  # 12.5% -> frontier-12_5pct
+        finally:
+            plt.close(fig)
+    if not paths:
+        raise HarnessError("no frontier point has a delta-PPL: nothing to plot")
+    return tuple(paths)

@@ -11,9 +11,12 @@ from harness.core.sizes import format_bytes
 from harness.domain.catalogue import FULL, STOCK
 from harness.domain.plan import ComparePlan
 from harness.domain.results import (
+    BoundCell,
     BudgetVerdict,
     CompareResult,
     EstimateRow,
+    FrontierRow,
+    PresetCheck,
     QualityRow,
     SpeedRow,
     SweepResult,
@@ -176,3 +179,53 @@ def delta_cell(d: DeltaPPL | None) -> str:
 
 def topic_cells(r: TopicRow) -> list[str]:
     return [r.label, delta_cell(r.overall), delta_cell(r.after_change), delta_cell(r.elsewhere)]
+
+
+# ---- frontier -----------------------------------------------------------------------------------------------
+
+FRONTIER_HEADER = ["family", "policy", "delta PPL [95% CI]", "hit rate", "sync KiB/token", "background KiB/token",
+                   "host computes/token", "est. ms/token", "frontier"]
+
+
+def kib(x: float | None) -> str:
+    return num(x / 1024 if x is not None else None, ".1f")
+
+
+def frontier_cells(r: FrontierRow, time_front: tuple[str, ...], bytes_front: tuple[str, ...]) -> list[str]:
+    """`t`: on the delta-PPL / estimated-time frontier; `b`: on the delta-PPL / bytes-moved frontier."""
+    mark = ("t" if r.point.name in time_front else "") + ("b" if r.point.name in bytes_front else "")
+    return [r.point.family, r.point.name, delta_cell(r.delta),
+            num(r.hit_rate * 100 if r.hit_rate is not None else None, ".1f") + ("%" if r.hit_rate is not None else ""),
+            kib(r.sync_bytes), kib(r.background_bytes), num(r.host_computes_per_token, ".2f"),
+            num(r.est_ms_per_token, ".3f"), mark]
+
+
+def bound_cell_text(c: BoundCell) -> str:
+    r = c.row
+    if r is None:
+        return "none within the bound"
+    moved = r.bytes_moved or 0.0
+    extra = f", {r.host_computes_per_token:.1f} host computes" if r.host_computes_per_token else ""
+    return (f"{kib(moved)} KiB ({kib(r.sync_bytes)} sync{extra}; est. {num(r.est_ms_per_token, '.3f')} ms): "
+            f"`{r.point.name}` {delta_cell(r.delta)}")
+
+
+def bound_table_rows(cells: tuple[BoundCell, ...], fraction: float) -> tuple[list[str], list[list[str]]]:
+    """The side-by-side table of one residency: a row per family, a column per bound."""
+    bounds = sorted({c.bound for c in cells if c.fraction == fraction})
+    header = ["family"] + [f"at <= +{b:g}% delta PPL: fewest bytes/token" for b in bounds]
+    rows: list[list[str]] = []
+    for fam in dict.fromkeys(c.family for c in cells if c.fraction == fraction):
+        by_bound = {c.bound: c for c in cells if c.fraction == fraction and c.family == fam}
+        rows.append([fam] + [bound_cell_text(by_bound[b]) for b in bounds])
+    return header, rows
+
+
+def preset_line(p: PresetCheck) -> str:
+    if not p.name:
+        return f"{p.preset} at {p.fraction:.1%}: not run"
+    if p.on_frontier:
+        return f"{p.preset} at {p.fraction:.1%} is on the frontier (delta PPL vs estimated time)"
+    doms = "; ".join(p.dominated_by[:5]) + (f"; and {len(p.dominated_by) - 5} more" if len(p.dominated_by) > 5
+                                             else "")
+    return f"{p.preset} at {p.fraction:.1%} is NOT on the frontier: dominated by {doms}"
