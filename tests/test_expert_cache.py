@@ -363,7 +363,7 @@ def test_anchor_weight_factors_change_only_the_weights(a: str, b: str, counter: 
 @pytest.mark.parametrize(("spec", "message"), [
     ("mode=emulate,colour=red", "unknown key 'colour'"),
     ("mode=bogus", "bad value 'bogus' for key 'mode' (accepted: off, emulate, engine)"),
-    ("mode=emulate,policy=fastest", "accepted: quality, speed, fetch-all"),
+    ("mode=emulate,policy=fastest", "accepted: quality, speed, fetch-all, drop-light"),
     ("mode=emulate,slots=4", "slots=4 is fewer than the 8 experts used per token"),
     ("mode=emulate,slots=65", "slots=65 is more than the 64 experts per layer"),
     # the anchors' keys that need the model's k = 8 and 64 experts

@@ -263,9 +263,8 @@ def test_harness_report_rerenders_a_frontier_folder(tmp_path: Path, synth_models
 def test_the_anchors_are_named_configurations_of_the_catalogue() -> None:
     from harness.domain.catalogue import check_policies, policy_cache_spec
 
-    check_policies(["upstream", "cache-route", "zero", "ser", "zero-0.2"])
-    assert policy_cache_spec("zero-0.2", "emulate", 16, None).render() == (
-        "mode=emulate,slots=16,rule=zero,tau=0.2,evict=lfu,admit=off")
+    check_policies(["upstream", "cache-route", "zero", "ser", "drop-light"])
+    assert policy_cache_spec("drop-light", "emulate", 16, None).render() == "mode=emulate,policy=drop-light,slots=16"
     assert policy_cache_spec("upstream", "engine", 16, None).render() == (
         "mode=engine,slots=16,rule=fetch-all,evict=classlru,admit=off")
     assert policy_cache_spec("ser", "emulate", 8, None).render() == "mode=emulate,slots=8,rule=ser,evict=lfu,admit=off"

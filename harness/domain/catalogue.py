@@ -33,8 +33,8 @@ POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
     # from `harness frontier` on the trained model (eval/study-tinymoe/frontier/report.md): colibri's DEGRADE_ZERO
     # at tau 0.2, no renormalisation. At 25% residency it dominates both presets (point estimates: speed by -0.82%
     # [95% CI -1.31, -0.37] at no more estimated time, quality at equal delta with 59.5 against 332 KiB per token);
-    # at 12.5% it is on the frontier at +1.32% against speed's +3.32%. A harness name only (no engine preset).
-    "zero-0.2": (("rule", "zero"), ("tau", "0.2"), ("evict", "lfu"), ("admit", "off")),
+    # at 12.5% it is on the frontier at +1.32% against speed's +3.32%. The engine preset policy=drop-light.
+    "drop-light": (("policy", "drop-light"),),
 }
 KNOWN_POLICIES = tuple(POLICIES)
 DEFAULT_POLICIES = ("quality", "speed", "fetch-all")  # compare, check (a new baseline) and simulate

@@ -176,8 +176,15 @@ static bool apply_preset(const std::string & val, llama_expert_cache_config & cf
         cfg.rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
         cfg.evict = LLAMA_EXPERT_EVICT_LRU;
         cfg.admit = false;
+    } else if (val == "drop-light") {
+        // colibri's DEGRADE_ZERO at tau 0.2 (no renormalisation): misses with gate weight < 0.2 dropped, the others
+        // fetched; from the side-by-side frontier on the trained model (eval/study-tinymoe/frontier)
+        cfg.rule  = LLAMA_EXPERT_MISS_ZERO;
+        cfg.tau   = 0.2f;
+        cfg.evict = LLAMA_EXPERT_EVICT_LFU;
+        cfg.admit = false;
     } else {
-        return bad_value(err, "policy", val, "quality, speed, fetch-all");
+        return bad_value(err, "policy", val, "quality, speed, fetch-all, drop-light");
     }
     cfg.preset = val;
     return true;
@@ -474,8 +481,8 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     if (explicit_rule) {
         cfg.preset = "custom";
     }
-    if (cfg.rule == LLAMA_EXPERT_MISS_ZERO && !explicit_tau) {
-        cfg.tau = 0.03f; // colibri DEGRADE_ZERO's default
+    if (cfg.rule == LLAMA_EXPERT_MISS_ZERO && !explicit_tau && cfg.preset != "drop-light") {
+        cfg.tau = 0.03f; // colibri DEGRADE_ZERO's default (policy=drop-light: its own 0.2)
     }
     const llama_expert_miss_rule rule = cfg.rule;
     const bool rule_drops      = rule == LLAMA_EXPERT_MISS_DROP || rule == LLAMA_EXPERT_MISS_ZERO || rule == LLAMA_EXPERT_MISS_SER;

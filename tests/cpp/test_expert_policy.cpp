@@ -75,7 +75,12 @@ static void test_parse() {
           err.find("off, emulate, engine") != std::string::npos);
     CHECK(llama_expert_cache_config_parse("mode=engine,policy=quality", cfg, err) &&
           cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE);
-    CHECK(!llama_expert_cache_config_parse("policy=fast", cfg, err) && err.find("quality, speed, fetch-all") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("policy=fast", cfg, err) && err.find("quality, speed, fetch-all, drop-light") != std::string::npos);
+    // policy=drop-light: rule=zero at tau 0.2 (not rule=zero's default 0.03), LFU, no admission; tau may be given
+    CHECK(llama_expert_cache_config_parse("policy=drop-light", cfg, err) && cfg.rule == LLAMA_EXPERT_MISS_ZERO &&
+          cfg.tau == 0.2f && cfg.evict == LLAMA_EXPERT_EVICT_LFU && !cfg.admit && cfg.preset == "drop-light");
+    CHECK(llama_expert_cache_config_parse("policy=drop-light,tau=0.1", cfg, err) && cfg.tau == 0.1f);
+    CHECK(llama_expert_cache_config_parse("policy=drop-light,rule=zero", cfg, err) && cfg.tau == 0.03f);
     CHECK(!llama_expert_cache_config_parse("slots=0", cfg, err) && err.find("'slots'") != std::string::npos);
     CHECK(!llama_expert_cache_config_parse("slots=120%", cfg, err) && err.find("'slots'") != std::string::npos);
     CHECK(!llama_expert_cache_config_parse("tau=abc", cfg, err) && err.find("'tau'") != std::string::npos);
