@@ -7,6 +7,7 @@
 #   scripts/sanitize.sh                 # build (a cold build takes over an hour on 2 cores), tests, fuzz
 #   scripts/sanitize.sh --no-build      # the tests and the fuzzer against an existing build-cpu-asan
 #   scripts/sanitize.sh -k engine_eq    # extra arguments go to pytest
+#   SANITIZE_TESTS="tests/test_engine.py" scripts/sanitize.sh --no-build   # other test files
 #
 # Writes build/sanitize/{pytest.log,fuzz.log,fuzz.json,summary.txt}; exit status 0 only with no report and every
 # test passed.
@@ -35,8 +36,10 @@ export MOE_SUBST_PATCHED_BIN="$root/$bin"
 
 # The tests that run the patched tools with the cache on (the bindings load a stock-built Python package: skipped)
 set +e
-.venv/bin/python -m pytest -q -ra -p no:cacheprovider tests/test_engine.py tests/test_expert_cache.py \
-    tests/test_layouts.py tests/test_compare_ram.py "$@" > "$out/pytest.log" 2>&1
+tests=${SANITIZE_TESTS:-tests/test_engine.py tests/test_prefetch.py tests/test_expert_cache.py tests/test_layouts.py \
+tests/test_compare_ram.py}
+# shellcheck disable=SC2086
+.venv/bin/python -m pytest -q -ra -p no:cacheprovider $tests "$@" > "$out/pytest.log" 2>&1
 rc_tests=$?
 .venv/bin/python scripts/fuzz_inputs.py --bin "$bin" --case-timeout 120 --json "$out/fuzz.json" \
     --keep "$out/fuzz-findings" > "$out/fuzz.log" 2>&1
