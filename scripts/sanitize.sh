@@ -30,7 +30,8 @@ for t in llama-perplexity llama-moe-sim llama-cli llama-server llama-bench; do
 done
 
 # detect_leaks: a leak at exit is a report too; abort_on_error=0 so that the tools exit (non-zero) with the report
-export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:abort_on_error=0:detect_stack_use_after_return=0"
+# verify_asan_link_order=0: the tests preload their log drain (scripts/log_drain_preload.c) ahead of the runtime
+export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:abort_on_error=0:detect_stack_use_after_return=0:verify_asan_link_order=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export MOE_SUBST_PATCHED_BIN="$root/$bin"
 
@@ -41,7 +42,9 @@ tests/test_compare_ram.py}
 # shellcheck disable=SC2086
 .venv/bin/python -m pytest -q -ra -p no:cacheprovider $tests "$@" > "$out/pytest.log" 2>&1
 rc_tests=$?
-.venv/bin/python scripts/fuzz_inputs.py --bin "$bin" --case-timeout 120 --json "$out/fuzz.json" \
+# the sanitized tools only (the harness targets are Python: nothing for the sanitizers to see)
+.venv/bin/python scripts/fuzz_inputs.py --bin "$bin" --targets "llama-perplexity,llama-moe-sim" --case-timeout 120 \
+    --time-limit "${SANITIZE_FUZZ_SECONDS:-600}" --json "$out/fuzz.json" \
     --keep "$out/fuzz-findings" > "$out/fuzz.log" 2>&1
 rc_fuzz=$?
 set -e
