@@ -265,6 +265,8 @@ def test_the_anchors_are_named_configurations_of_the_catalogue() -> None:
 
     check_policies(["upstream", "cache-route", "zero", "ser", "drop-light"])
     assert policy_cache_spec("drop-light", "emulate", 16, None).render() == "mode=emulate,policy=drop-light,slots=16"
+    assert policy_cache_spec("quality-prefetch", "engine", 16, None).render() == (
+        "mode=engine,policy=quality,slots=16,prefetch=on")
     assert policy_cache_spec("upstream", "engine", 16, None).render() == (
         "mode=engine,slots=16,rule=fetch-all,evict=classlru,admit=off")
     assert policy_cache_spec("ser", "emulate", 8, None).render() == "mode=emulate,slots=8,rule=ser,evict=lfu,admit=off"
