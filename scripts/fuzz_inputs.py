@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -290,7 +291,7 @@ def compare_target(text: Path, work: Path) -> Callable[[Path, float], tuple[str,
     message-less exit is the finding."""
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    runs = iter(range(10**9))
+    runs = itertools.count()
 
     def run(path: Path, timeout: float) -> tuple[str, str]:
         out_dir = work / f"compare-{next(runs)}"

@@ -12,9 +12,11 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.core.errors import HarnessError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,18 @@ def dataset_text(name: str, *, loader: Loader | None = None) -> Path:
     if path.is_file() and path.stat().st_size > 0:
         return path
     offline = (f"offline, save {spec.local_hint} to a file and pass it with --text FILE (or put it at {path})")
+    load = loader or _load_with_datasets
+    text = _from_hub(name, offline, lambda: spec.joiner.join(spec.render(r) for r in load(spec)))
+    if not text.strip():
+        raise HarnessError(f"dataset {name} came back empty; {offline}")
+    _write_atomic(path, text)
+    return path
+
+
+def _from_hub(name: str, offline: str, fetch: Callable[[], T]) -> T:
+    """fetch() (a load with the `datasets` package), its failures as one-line errors ending in `offline`."""
     try:
-        rows = (loader or _load_with_datasets)(spec)
-        text = spec.joiner.join(spec.render(r) for r in rows)
+        return fetch()
     except ImportError:
         raise HarnessError(f"--dataset {name} needs the 'datasets' package (pip install datasets) and network "
                            f"once; {offline}") from None
@@ -73,13 +84,13 @@ def dataset_text(name: str, *, loader: Loader | None = None) -> Path:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HarnessError(f"could not load {name} from the Hugging Face hub ({type(e).__name__}: {first}); "
                            f"{offline}") from None
-    if not text.strip():
-        raise HarnessError(f"dataset {name} came back empty; {offline}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
-    return path
 
 
 # ---- prompts for the generation test (harness generate) --------------------------------------------------------
@@ -140,11 +151,7 @@ def read_prompts(path: Path) -> list[Prompt]:
 def write_prompts(path: Path, prompts: Iterable[Prompt]) -> None:
     import json
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".part")
-    tmp.write_text("".join(json.dumps({"id": p.id, "kind": p.kind, "text": p.text}) + "\n" for p in prompts),
-                   encoding="utf-8")
-    tmp.replace(path)
+    _write_atomic(path, "".join(json.dumps({"id": p.id, "kind": p.kind, "text": p.text}) + "\n" for p in prompts))
 
 
 def dataset_prompts(name: str, *, limit: int | None = None, loader: Loader | None = None) -> list[Prompt]:
@@ -158,15 +165,7 @@ def dataset_prompts(name: str, *, limit: int | None = None, loader: Loader | Non
     if not (path.is_file() and path.stat().st_size > 0):
         offline = (f"offline, use the bundled prompts (--prompts eval/data/gen-prompts.jsonl, the default), or save "
                    f"the {name} prompts as JSON Lines of {{id, kind, text}} to {path}")
-        try:
-            rows = list((loader or _load_with_datasets)(spec))
-        except ImportError:
-            raise HarnessError(f"--dataset {name} needs the 'datasets' package (pip install datasets) and network "
-                               f"once; {offline}") from None
-        except Exception as e:  # network, hub or format errors from the datasets package
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise HarnessError(f"could not load {name} from the Hugging Face hub ({type(e).__name__}: {first}); "
-                               f"{offline}") from None
+        rows = _from_hub(name, offline, lambda: list((loader or _load_with_datasets)(spec)))
         if not rows:
             raise HarnessError(f"dataset {name} came back empty; {offline}")
         write_prompts(path, (_PROMPT_RENDER[name](i, r) for i, r in enumerate(rows)))
