@@ -64,10 +64,18 @@ def test_gate_rule_by_hand(tmp_path: Path, synth_models: dict[str, Path]) -> Non
     assert q.delta is not None
     d = q.delta.delta_pct  # the fake's quality shift: a constant 0.001 nats, so the CI is [d, d]
     full = next(x for x in res.quality if x.config == "full").ppl
-    ok = Baseline("m", "t", 256, 12, 0.5, full, {"quality": {"delta_pct": d - 0.499, "low": 0.0, "high": 0.0}})
-    assert all(ln.ok for ln in gate(ok, res))  # just within the tolerance: passes
-    worse = Baseline("m", "t", 256, 12, 0.5, full, {"quality": {"delta_pct": d - 0.51, "low": 0.0, "high": 0.0}})
-    assert [ln.ok for ln in gate(worse, res)] == [True, False]
+    def one(delta: float, low: float, high: float, scale: float = 0.5) -> Baseline:
+        return Baseline("m", "t", 256, 12, 0.5, full, {"quality": {"delta_pct": delta, "low": low, "high": high}},
+                        scale)
+
+    # the band: [low - (scale * width + 0.5), high + (scale * width + 0.5)]
+    assert all(ln.ok for ln in gate(one(d - 0.499, d - 0.499, d - 0.499), res))  # just within the floor
+    assert [ln.ok for ln in gate(one(d - 0.51, d - 0.51, d - 0.51), res)] == [True, False]  # worse
+    assert [ln.ok for ln in gate(one(d + 0.51, d + 0.51, d + 0.51), res)] == [True, False]  # better: also fails
+    # a wide baseline interval widens the band by half its width: 1.0 wide -> 0.5 + 0.5 on each side
+    assert all(ln.ok for ln in gate(one(d - 1.4, d - 1.9, d - 0.9), res))
+    assert not all(ln.ok for ln in gate(one(d - 1.6, d - 2.1, d - 1.1), res))
+    assert all(ln.ok for ln in gate(one(d - 1.6, d - 2.1, d - 1.1, scale=1.0), res))
     other_cpu = Baseline("m", "t", 256, 12, 0.5, full * (1 + 2e-6), {})  # another CPU's kernels: passes
     assert all(ln.ok for ln in gate(other_cpu, res))
     changed = Baseline("m", "t", 256, 12, 0.5, full * 1.001, {})
@@ -90,3 +98,56 @@ def test_damaged_baselines(tmp_path: Path) -> None:
         read_baseline(p)
     p.write_text(json.dumps(_base(1.0).to_json()))
     assert read_baseline(p) == _base(1.0)
+
+
+class _Planted(FakeRunner):
+    """The fake runner with a policy's per-token shift and its substitution figures changed."""
+
+    def __init__(self, shift: dict[str, float], rate: float = 0.1, mass: float = 0.02) -> None:
+        super().__init__()
+        self.SHIFT = {**FakeRunner.SHIFT, **shift}
+        self.rate, self.mass = rate, mass
+
+    def perplexity(self, build, req):  # type: ignore[no-untyped-def]
+        run = super().perplexity(build, req)
+        if run.cache_stats is None or req.label != "quality":
+            return run
+        from dataclasses import replace
+        return replace(run, cache_stats=replace(run.cache_stats, substitution_rate=self.rate,
+                                                substituted_mass=self.mass))
+
+
+def test_planted_regressions_fail_the_gate(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    """The two regressions of issue 22: the quality preset 2.3x worse, and a preset that stopped substituting."""
+    opts = CheckOptions(**{**_setup(tmp_path, synth_models["qwen3moe"]).__dict__, "tolerance_pct": 0.05})
+    up = check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path),
+               root=tmp_path)
+    assert up.passed
+    doc = json.loads(opts.baseline.read_text())
+    assert doc["schema_version"] == 2 and doc["policies"]["quality"]["substitution_rate"] == 0.1
+    same = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "same"}), runner=_Planted({}),
+                 env=FakeEnv(tmp_path), root=tmp_path)
+    assert same.passed
+
+    def run(runner: FakeRunner, out: str) -> list[str]:
+        res = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / out}), runner=runner, env=FakeEnv(tmp_path),
+                    root=tmp_path)
+        assert not res.passed
+        return [ln.message for ln in res.lines if not ln.ok]
+
+    (worse,) = run(_Planted({"quality": 0.0023}), "worse")  # +0.23% instead of +0.10%
+    assert "worse than the baseline's band" in worse
+    (stopped,) = run(_Planted({"quality": 0.0}, rate=0.0, mass=0.0), "stopped")  # delta 0: no substitution
+    assert "better than the baseline's band" in stopped and "substitution rate 0.0000" in stopped
+    # the same delta but substituting a third fewer calls: the substitution figures alone catch it
+    (fewer,) = run(_Planted({}, rate=0.066, mass=0.02), "fewer")
+    assert "substitution rate" in fewer and "band" not in fewer
+
+
+def test_a_version_1_baseline_is_read_and_skips_the_substitution_checks(tmp_path: Path) -> None:
+    p = tmp_path / "b.json"
+    doc = _base(1.0).to_json()
+    doc.pop("tolerance_scale")
+    p.write_text(json.dumps({**doc, "schema_version": 1}))
+    b = read_baseline(p)
+    assert b.schema_version == 1 and b.tolerance_scale == 0.5

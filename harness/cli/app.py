@@ -275,8 +275,9 @@ def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParse
     k = sub.add_parser("check", help="perplexity regression gate against a recorded baseline (for CI)")
     k.add_argument("--baseline", type=Path, required=True, help="baseline JSON (written by --update)")
     k.add_argument("--update", action="store_true", help="run and (re)write the baseline")
-    k.add_argument("--tolerance", type=float, default=0.5, help="allowed worsening of delta PPL, in percentage "
-                   "points, beyond the 95%% CI (written into a new baseline; default: %(default)s)")
+    k.add_argument("--tolerance", type=float, default=0.05, help="floor of the band, in percentage points: a "
+                   "policy's delta PPL must stay within the baseline's 95%% CI widened by half its width + this, "
+                   "in either direction (written into a new baseline; default: %(default)s)")
     options.add_policies(k, "policies of a new baseline")
     options.add_model(k, "model (default: the baseline's, else the trained model)")
     options.add_text(k, "text (default: the baseline's, else eval/data/heldout.txt)")

@@ -1,16 +1,22 @@
 """`harness check --baseline FILE`: a perplexity regression gate for CI.
 
 Runs the recorded configuration (quality only: the full model and each policy in emulate mode on the same
-tokens), and compares every policy's paired delta-PPL% with the baseline's. A policy fails when its delta
-got worse than the baseline by more than the tolerance *beyond its CI*: the lower end of the new 95% CI
-exceeds baseline + tolerance. The full model's PPL must also be the baseline's (else the model, text or
-build changed and the baseline means nothing). `--update` (re)writes the baseline from this run.
+tokens), and compares every policy's paired delta-PPL% with the baseline's, in both directions: a policy fails
+when its delta lies outside the baseline's 95% interval [low, high] widened on each side by
+`tolerance_scale` x (high - low) + `tolerance_pct` points. Better is a regression too: a preset whose loss
+vanished has usually stopped doing its job (e.g. stopped substituting). So the substitution rate and the
+substituted gate mass are checked as well: each must stay within SUBST_RTOL of the baseline's (+ SUBST_ATOL).
+The runs are deterministic on one build and CPU (emulate mode, the same tokens), so a change of the code or
+the model moves these numbers and nothing else does. The full model's PPL must also be the baseline's (else
+the model, text or build changed and the baseline means nothing). `--update` (re)writes the baseline from
+this run.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +25,7 @@ from harness.core.errors import HarnessError
 from harness.core.records import prepare_out_dir
 from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
-from harness.domain.results import CompareResult
+from harness.domain.results import CompareResult, QualityRow
 from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
@@ -30,6 +36,10 @@ from harness.tools.runners import Runner
 # kernels differ (AVX-512 vs AVX2: other summation orders): measured 267.6401 on an Intel AVX-512 machine and
 # 267.6405 on an AMD AVX2 one (1.5e-6). A changed model or text moves it by orders of magnitude more.
 FULL_PPL_RTOL = 1e-4
+# substitution rate and substituted mass: relative and absolute tolerance (the runs are deterministic; these
+# leave room for another CPU's rounding flipping a near-tie in the router, which moves a few calls)
+SUBST_RTOL = 0.10
+SUBST_ATOL = 0.002
 
 
 def baseline_from(result: CompareResult, tolerance_pct: float, root: Path) -> Baseline:
@@ -40,8 +50,12 @@ def baseline_from(result: CompareResult, tolerance_pct: float, root: Path) -> Ba
         if q.config == FULL:
             full = q.ppl
         elif q.delta is not None:
-            policies[q.config] = {"delta_pct": q.delta.delta_pct, "low": q.delta.low, "high": q.delta.high,
-                                  "ppl": q.ppl}
+            row = {"delta_pct": q.delta.delta_pct, "low": q.delta.low, "high": q.delta.high, "ppl": q.ppl}
+            if q.cache is not None and q.cache.substitution_rate is not None:
+                row["substitution_rate"] = q.cache.substitution_rate
+            if q.cache is not None and q.cache.substituted_mass is not None:
+                row["substituted_mass"] = q.cache.substituted_mass
+            policies[q.config] = row
     if full is None or not policies:
         raise HarnessError("the run produced no paired deltas (are the NLL dumps readable?): baseline not written")
 
@@ -79,7 +93,6 @@ def gate(baseline: Baseline, result: CompareResult) -> tuple[GateLine, ...]:
                               "rerun with --update"))
     else:
         lines.append(GateLine(FULL, True, f"full model PPL {full.ppl:.4f} as in the baseline"))
-    tol = baseline.tolerance_pct
     for name, b in baseline.policies.items():
         q = by.get(name)
         if q is None or q.delta is None:
@@ -87,12 +100,42 @@ def gate(baseline: Baseline, result: CompareResult) -> tuple[GateLine, ...]:
             lines.append(GateLine(name, False, "no paired delta in this run" + note))
             continue
         d = q.delta
-        ok = d.low <= b["delta_pct"] + tol
-        verdict = "ok" if ok else "REGRESSION"
+        lo, hi = band(baseline, b)
+        problems = []
+        if d.delta_pct > hi:
+            problems.append(f"worse than the baseline's band [{lo:+.3f}, {hi:+.3f}]")
+        elif d.delta_pct < lo:
+            problems.append(f"better than the baseline's band [{lo:+.3f}, {hi:+.3f}] (a policy that stopped "
+                            "substituting looks like this; if the change is intended, rerun with --update)")
+        problems += substitution_problems(b, q)
+        ok = not problems
+        verdict = "ok" if ok else "REGRESSION: " + "; ".join(problems)
         lines.append(GateLine(name, ok, f"{verdict}: delta {d.delta_pct:+.3f}% [95% CI {d.low:+.3f}, {d.high:+.3f}] "
-                              f"vs baseline {b['delta_pct']:+.3f}% (tolerance {tol:g} points)",
+                              f"vs baseline {b['delta_pct']:+.3f}% [{b['low']:+.3f}, {b['high']:+.3f}]",
                               b["delta_pct"], d.delta_pct, d.low, d.high))
     return tuple(lines)
+
+
+def band(baseline: Baseline, b: Mapping[str, float]) -> tuple[float, float]:
+    """Pure: the range a policy's delta-PPL% may take: the baseline's 95% interval widened on each side by
+    tolerance_scale x its width + tolerance_pct points."""
+    low, high = min(b["low"], b["delta_pct"]), max(b["high"], b["delta_pct"])
+    widen = baseline.tolerance_scale * (high - low) + baseline.tolerance_pct
+    return low - widen, high + widen
+
+
+def substitution_problems(b: Mapping[str, float], q: QualityRow) -> list[str]:
+    """Pure: the substitution rate and mass moved beyond SUBST_RTOL/SUBST_ATOL of the baseline's."""
+    out = []
+    for key, label in (("substitution_rate", "substitution rate"), ("substituted_mass", "substituted mass")):
+        if key not in b:
+            continue  # a version-1 baseline, or a policy that reports none
+        new = getattr(q.cache, key) if q.cache is not None else None
+        if new is None:
+            out.append(f"no {label} in this run (the baseline has {b[key]:.4f})")
+        elif abs(new - b[key]) > SUBST_RTOL * abs(b[key]) + SUBST_ATOL:
+            out.append(f"{label} {new:.4f} vs the baseline's {b[key]:.4f}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -103,7 +146,7 @@ class CheckOptions(PerplexitySettings):
     baseline: Path
     out: Path
     update: bool = False
-    tolerance_pct: float = 0.5  # used when writing a baseline
+    tolerance_pct: float = 0.05  # used when writing a baseline: the floor of the band, in points
     policies: tuple[str, ...] = DEFAULT_POLICIES  # used when writing a new baseline
     model: Path | None = None  # default: the baseline's, else the trained model
     n_ctx: int = field(default=256, kw_only=True)

@@ -1,7 +1,13 @@
-"""The perplexity baseline of `harness check` (eval/baselines/*.json): schema moe-subst/ppl-baseline, version 1.
+"""The perplexity baseline of `harness check` (eval/baselines/*.json): schema moe-subst/ppl-baseline, version 2.
 
-`Baseline.to_json` writes it, `read_baseline` reads it back, refusing another schema or a damaged file with a
-one-line error."""
+`Baseline.to_json` writes it, `read_baseline` reads it back (version 1 too), refusing another schema or a damaged
+file with a one-line error.
+
+Version 2 adds, per policy, the substitution rate and substituted gate mass of the run (a preset that stops
+substituting is a regression too), and `tolerance_scale`: a policy's delta-PPL must stay within its baseline's
+95% interval widened by `tolerance_scale` x the interval's width + `tolerance_pct` points, in either direction.
+Version 1 files (one-sided gate, no substitution figures) are read with `tolerance_scale` 0.5 and their
+`tolerance_pct` as the floor; their substitution checks are skipped with a note."""
 
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ from typing import Any
 from harness.core.errors import HarnessError
 
 SCHEMA = "moe-subst/ppl-baseline"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+DEFAULT_TOLERANCE_SCALE = 0.5
 
 
 @dataclass(frozen=True)
@@ -25,12 +33,16 @@ class Baseline:
     chunks: int | None
     tolerance_pct: float
     full_ppl: float
-    policies: Mapping[str, Mapping[str, float]]  # name -> delta_pct, low, high, ppl
+    # name -> delta_pct, low, high, ppl (+ substitution_rate, substituted_mass: version 2)
+    policies: Mapping[str, Mapping[str, float]]
+    tolerance_scale: float = DEFAULT_TOLERANCE_SCALE
+    schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "model": self.model, "text": self.text,
                 "n_ctx": self.n_ctx, "chunks": self.chunks, "tolerance_pct": self.tolerance_pct,
-                "full_ppl": self.full_ppl, "policies": {k: dict(v) for k, v in self.policies.items()}}
+                "tolerance_scale": self.tolerance_scale, "full_ppl": self.full_ppl,
+                "policies": {k: dict(v) for k, v in self.policies.items()}}
 
 
 def read_baseline(path: Path) -> Baseline:
@@ -40,12 +52,13 @@ def read_baseline(path: Path) -> Baseline:
         raise HarnessError(f"cannot read the baseline {path}: {e.strerror} (create it with --update)") from None
     except ValueError as e:
         raise HarnessError(f"{path} is not JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("schema_version") != SCHEMA_VERSION:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("schema_version") not in READABLE_VERSIONS:
         raise HarnessError(f"{path} is not a {SCHEMA} version {SCHEMA_VERSION} file")
     try:
         return Baseline(str(doc["model"]), str(doc["text"]), int(doc["n_ctx"]),
                         int(doc["chunks"]) if doc.get("chunks") is not None else None, float(doc["tolerance_pct"]),
                         float(doc["full_ppl"]),
-                        {str(k): {kk: float(vv) for kk, vv in v.items()} for k, v in doc["policies"].items()})
+                        {str(k): {kk: float(vv) for kk, vv in v.items()} for k, v in doc["policies"].items()},
+                        float(doc.get("tolerance_scale", DEFAULT_TOLERANCE_SCALE)), int(doc["schema_version"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise HarnessError(f"{path}: damaged baseline ({type(e).__name__}: {e})") from None
