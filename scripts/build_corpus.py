@@ -17,7 +17,22 @@ Each source file is one document. A document goes to the held-out set when a has
 (bucket 0 of 20 -> heldout.txt, bucket 1 of 20 -> topic-shift.txt); everything else is training text.
 The split depends only on the paths, so it is deterministic.
 
-Outputs (``--work`` directory, default build/tinymoe):
+``--corpus study`` (the corpus of models/studymoe, the study's routing shape) adds, from Debian packages
+that must be installed (``apt-get install python3.11-doc perl-doc git-doc postgresql-doc-15``):
+
+* ``code``   -- also the Python packages in /usr/lib/python3/dist-packages and the Perl modules (*.pm)
+               of /usr/share/perl/5.36;
+* ``prose``  -- also the Python 3.11 documentation sources (reStructuredText, python3.11-doc), the Perl
+               documentation (*.pod, perl-doc), Git's documentation (*.txt, git-doc) and the PostgreSQL
+               15 manual (HTML turned into text, postgresql-doc-15); all English manual pages, not
+               only the first 24 M characters.
+
+It never rewrites heldout.txt or topic-shift.txt: their documents (by the manifests) and every bucket-0
+and bucket-1 document of every source stay out of training, and a second held-out text is written,
+``heldout-docs.txt``: bucket-0 documents of the new kinds of text (code and prose), which neither model
+has seen, with its manifest ``heldout-docs-sources.json``.
+
+Outputs (``--work`` directory, default build/tinymoe; build/studymoe for ``--corpus study``):
     train.jsonl         one JSON object per training document: {"domain", "source", "text"}
 and, in --eval-dir (default eval/data):
     heldout.txt, topic-shift.txt, topic-shift.json
@@ -28,7 +43,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import html.parser
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -239,12 +256,152 @@ def table_docs() -> Iterator[Doc]:
         yield "tables", str(p), text
 
 
+# --- the study corpus's extra sources (--corpus study) ---------------------------------------------
+
+PY_DIST = Path("/usr/lib/python3/dist-packages")
+PERL_LIB = Path("/usr/share/perl/5.36")
+PY_DOC = Path("/usr/share/doc/python3.11/html/_sources")
+PERL_POD = Path("/usr/share/perl/5.36/pod")
+GIT_DOC = Path("/usr/share/doc/git-doc")
+PG_DOC = Path("/usr/share/doc/postgresql-doc-15/html")
+STUDY_PACKAGES = {PY_DOC: "python3.11-doc", PERL_POD: "perl-doc", GIT_DOC: "git-doc", PG_DOC: "postgresql-doc-15"}
+STUDY_PROSE_BUDGET = 60_000_000
+HELDOUT_DOCS_TARGET_CHARS = {"code": 150_000, "prose": 250_000}
+
+
+def walk(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files under root (symbolic links to folders followed, as /usr/share/perl/5.36 is one), sorted."""
+    out = []
+    for d, _, files in os.walk(root, followlinks=True):
+        out += [Path(d) / f for f in files if f.endswith(suffixes)]
+    return sorted(out)
+
+
+class _HtmlText(html.parser.HTMLParser):
+    """Visible text of an HTML page, a line break after each block element; navigation dropped."""
+
+    BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "pre", "dt", "dd", "table", "title"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.skip = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        cls = dict(attrs).get("class") or ""
+        if tag in ("script", "style") or (tag == "div" and cls in ("navheader", "navfooter")):
+            self.skip += 1
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.skip and tag in ("script", "style", "div"):
+            self.skip -= 1 if tag != "div" or self.skip else 0
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if not self.skip:
+            self.parts.append(data)
+
+
+def html_text(src: str) -> str:
+    p = _HtmlText()
+    p.feed(src)
+    text = "".join(p.parts)
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def study_code_docs() -> Iterator[Doc]:
+    yield from code_docs()
+    for p in walk(PY_DIST, (".py",)):
+        text = read_text(p)[:MAX_DOC_CHARS]
+        if len(text) > 200:
+            yield "code", str(p), text
+    for p in walk(PERL_LIB, (".pm",)):
+        text = read_text(p)[:MAX_DOC_CHARS]
+        if len(text) > 200:
+            yield "code", str(p), text
+
+
+def study_prose_docs() -> Iterator[Doc]:
+    global PROSE_BUDGET
+    saved, PROSE_BUDGET = PROSE_BUDGET, STUDY_PROSE_BUDGET
+    try:
+        yield from prose_docs()
+    finally:
+        PROSE_BUDGET = saved
+    for root, suffixes in ((PY_DOC, (".rst.txt",)), (PERL_POD, (".pod",)), (GIT_DOC, (".txt",))):
+        for p in walk(root, suffixes):
+            text = read_text(p)[:MAX_DOC_CHARS]
+            if len(text) > 200:
+                yield "prose", str(p), text
+    for p in walk(PG_DOC, (".html",)):
+        text = html_text(read_text(p))[:MAX_DOC_CHARS]
+        if len(text) > 200:
+            yield "prose", str(p), text
+
+
+def build_study(work: Path, eval_dir: Path) -> int:
+    missing = [f"{pkg} ({path})" for path, pkg in STUDY_PACKAGES.items() if not path.is_dir()]
+    if missing:
+        print("build_corpus.py: error: the study corpus needs these Debian packages: " + ", ".join(missing)
+              + "; install them with apt-get install " + " ".join(STUDY_PACKAGES.values()), file=sys.stderr)
+        return 2
+    fixed = {d["source"] for d in json.loads((eval_dir / "heldout-sources.json").read_text())}
+    for seg in json.loads((eval_dir / "topic-shift.json").read_text())["segments"]:
+        fixed.update(seg["sources"])
+    old_kinds = (str(PY_STDLIB), str(MAN_ROOT), str(LICENSES))
+    work.mkdir(parents=True, exist_ok=True)
+    stats: dict[str, list[int]] = {}
+    held: dict[str, list[Doc]] = {"code": [], "prose": []}
+    tmp = work / "train.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for gen in (study_code_docs, study_prose_docs, table_docs):
+            for domain, src, text in gen():
+                b = bucket(src)
+                if src in fixed or b in (0, 1):
+                    if b == 0 and src not in fixed and not src.startswith(old_kinds) and domain in held:
+                        held[domain].append((domain, src, text))
+                    continue
+                f.write(json.dumps({"domain": domain, "source": src, "text": text}) + "\n")
+                s = stats.setdefault(domain, [0, 0])
+                s[0] += 1
+                s[1] += len(text)
+    tmp.replace(work / "train.jsonl")
+    for domain, (n, c) in stats.items():
+        print(f"train {domain}: {n} documents, {c} characters")
+    (work / "corpus_stats.json").write_text(json.dumps(
+        {d: {"documents": n, "characters": c} for d, (n, c) in stats.items()}, indent=1) + "\n")
+    # heldout-docs.txt: whole bucket-0 documents of the new kinds (cut at 20k characters), in SHA-1 order
+    parts: list[str] = []
+    manifest = []
+    for domain in ("code", "prose"):
+        got = 0
+        for _, src, text in sorted(held[domain], key=lambda d: hashlib.sha1(d[1].encode()).hexdigest()):
+            if got >= HELDOUT_DOCS_TARGET_CHARS[domain]:
+                break
+            t = text[:20_000].strip("\n") + "\n"
+            parts.append(t)
+            manifest.append({"domain": domain, "source": src, "chars": len(t)})
+            got += len(t)
+        print(f"heldout-docs {domain}: {got} characters")
+    (eval_dir / "heldout-docs.txt").write_text("\n".join(parts), encoding="utf-8")
+    (eval_dir / "heldout-docs-sources.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default="build/tinymoe")
+    ap.add_argument("--corpus", choices=["tinymoe", "study"], default="tinymoe")
+    ap.add_argument("--work", default=None, help="default build/tinymoe, or build/studymoe for --corpus study")
     ap.add_argument("--eval-dir", default="eval/data")
     args = ap.parse_args()
-    work, eval_dir = Path(args.work), Path(args.eval_dir)
+    work = Path(args.work or ("build/studymoe" if args.corpus == "study" else "build/tinymoe"))
+    eval_dir = Path(args.eval_dir)
+    if args.corpus == "study":
+        return build_study(work, eval_dir)
     work.mkdir(parents=True, exist_ok=True)
     eval_dir.mkdir(parents=True, exist_ok=True)
 
