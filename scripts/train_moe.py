@@ -18,6 +18,20 @@ Deterministic for a given seed and thread count. Re-run the committed model with
 
     .venv/bin/python scripts/build_corpus.py
     nice -n 10 .venv/bin/python scripts/train_moe.py --stage all
+
+Shapes (``--shape``): ``tinymoe`` (4 layers, 64 experts, top-8: models/tinymoe-f16.gguf) and ``studymoe``
+(the study's routing shape: 512 experts per layer, top-10, normalised top-k weights; 6 layers, experts of
+hidden size 32; trained on ``build_corpus.py --corpus study``; work folder build/studymoe).
+
+Long runs (hours, over several sessions) checkpoint and resume. The schedule is warmup, constant lr until
+``--stable-steps``, then a linear decay over ``--decay-steps``; ``--stop-after SECONDS`` ends a run early at a
+step boundary with a checkpoint (also on SIGINT/SIGTERM), and ``--resume`` goes on from the newest checkpoint
+with the same result as an uninterrupted run (model, optimiser, data-sampler and torch random states are all
+saved). The checkpoint at the end of the constant phase is kept (``ckpt-stable-<step>.pt``), so that a later
+session can extend the constant phase (resume from it with a larger ``--stable-steps``) and decay again:
+
+    nice -n 10 .venv/bin/python scripts/train_moe.py --shape studymoe --stage train \
+        --stable-steps 6000 --decay-steps 600 --stop-after 7200      # hours of it; then again with --resume
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,6 +92,16 @@ class Config:
     grad_clip: float = 1.0
     threads: int = 2
     eval_every: int = 50
+    name: str = "tinymoe"
+
+
+SHAPES = {
+    "tinymoe": {},
+    # the study's routing shape (Qwen3-Next: 512 routed experts, top-10, normalised top-k weights) with
+    # experts small enough to train on 2 CPU cores and a Q8_0 GGUF under 100 MB
+    "studymoe": {"name": "studymoe", "n_layer": 6, "n_expert": 512, "top_k": 10, "d_expert": 32,
+                 "batch_seqs": 8, "lr": 2e-3, "warmup": 200, "eval_every": 100},
+}
 
 
 # --- tokenizer ----------------------------------------------------------------------------------
@@ -261,7 +287,28 @@ def heldout_tokens(work: Path) -> np.ndarray:
     return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
 
-def train(cfg: Config, work: Path, out: Path, time_budget: float | None) -> None:
+def lr_schedule(cfg: Config, step: int) -> float:
+    """Warmup, constant, then linear decay to min_lr_frac * lr from decay_start to steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.decay_start <= 0 or step < cfg.decay_start:
+        return cfg.lr
+    t = (step - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start)
+    return cfg.lr * (1 - (1 - cfg.min_lr_frac) * min(1.0, t))
+
+
+def save_atomic(obj, path: Path) -> None:
+    import torch
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resume: bool = False,
+          stop_after: float | None = None, stop_after_steps: int | None = None, ckpt_every: float = 600.0) -> bool:
+    """Train; returns True when the schedule is complete (False: stopped early, a checkpoint holds the state)."""
     import torch
     import torch.nn.functional as F
 
@@ -272,7 +319,7 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None) -> None
     rng = np.random.default_rng(cfg.seed)
     model = build_model(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f} M parameters; training stream {len(stream)} tokens")
+    print(f"model: {n_params / 1e6:.2f} M parameters; training stream {len(stream)} tokens", flush=True)
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -280,40 +327,77 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None) -> None
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        if cfg.decay_start <= 0 or step < cfg.decay_start:
-            return cfg.lr
-        t = (step - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start)
-        return cfg.lr * (1 - (1 - cfg.min_lr_frac) * min(1.0, t))
-
     # a fixed slice of held-out text for the periodic eval (8 windows of n_ctx)
     n_ev = 8
     ev = torch.from_numpy(held[: n_ev * cfg.n_ctx + 1].copy())
     ev_x = ev[:-1].view(n_ev, cfg.n_ctx)
     ev_y = ev[1:].view(n_ev, cfg.n_ctx)
 
+    ckpt_path = work / "ckpt.pt"
     log_path = out.with_suffix(".trainlog.jsonl")
-    log = open(log_path, "w")
+    step, tokens_seen, elapsed_before = 0, 0, 0.0
+    if resume:
+        if not ckpt_path.exists():
+            raise SystemExit(f"train_moe.py: error: --resume: no checkpoint at {ckpt_path}")
+        ck = torch.load(ckpt_path, weights_only=False)
+        saved = Config(**ck["config"])
+        for key in ("n_layer", "n_expert", "top_k", "d_expert", "d_model", "vocab_size", "seed", "batch_seqs",
+                    "n_ctx"):
+            if getattr(saved, key) != getattr(cfg, key):
+                raise SystemExit(f"train_moe.py: error: --resume: the checkpoint has {key}={getattr(saved, key)},"
+                                 f" this run {getattr(cfg, key)}")
+        model.load_state_dict(ck["state_dict"])
+        opt.load_state_dict(ck["optimizer"])
+        rng.bit_generator.state = ck["numpy_rng"]
+        torch.set_rng_state(ck["torch_rng"])
+        step, tokens_seen, elapsed_before = ck["step"], ck["tokens_seen"], ck["train_seconds"]
+        # the log keeps the steps up to the checkpoint (a run killed after it wrote more lines)
+        if log_path.exists():
+            kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+            log_path.write_text("".join(ln + "\n" for ln in kept))
+        print(f"resumed at step {step} ({tokens_seen} tokens, {elapsed_before:.0f} s trained)", flush=True)
+    elif log_path.exists():
+        log_path.unlink()
+
+    stopping = {"signal": None}
+
+    def on_signal(signum, frame):  # finish the step, checkpoint, exit
+        stopping["signal"] = signum
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def checkpoint(path: Path) -> None:
+        save_atomic({"config": dataclasses.asdict(cfg), "state_dict": model.state_dict(),
+                     "optimizer": opt.state_dict(), "numpy_rng": rng.bit_generator.state,
+                     "torch_rng": torch.get_rng_state(), "step": step, "tokens_seen": tokens_seen,
+                     "train_seconds": round(elapsed_before + time.time() - t0, 1)}, path)
+
+    log = open(log_path, "a")
+    first_step = step
     t0 = time.time()
-    tokens_seen = 0
+    last_ckpt = t0
     if time_budget is None:
         assert cfg.steps > 0 and 0 < cfg.decay_start <= cfg.steps, "give --steps and --decay-start"
     else:
         cfg.steps, cfg.decay_start = 10**9, 0
-    step = 0
+    complete = True
     while step < cfg.steps:
         if time_budget is not None and cfg.decay_start == 0 and time.time() - t0 >= 0.8 * time_budget:
             cfg.decay_start = max(step, cfg.warmup)
             cfg.steps = int(round(1.25 * cfg.decay_start))
             print(f"decay starts at step {cfg.decay_start}; total steps {cfg.steps}", flush=True)
+        if step == cfg.decay_start and step > 0 and not (work / f"ckpt-stable-{step}.pt").exists():
+            checkpoint(work / f"ckpt-stable-{step}.pt")
+        if (stopping["signal"] is not None or (stop_after is not None and time.time() - t0 >= stop_after)
+                or (stop_after_steps is not None and step >= first_step + stop_after_steps)):
+            complete = False
+            break
         starts = rng.integers(0, len(stream) - cfg.n_ctx - 1, size=cfg.batch_seqs)
         batch = np.stack([stream[s: s + cfg.n_ctx + 1] for s in starts])
         x = torch.from_numpy(batch[:, :-1])
         y = torch.from_numpy(batch[:, 1:])
         for gr in opt.param_groups:
-            gr["lr"] = lr_at(step)
+            gr["lr"] = lr_schedule(cfg, step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, aux, z, _ = model(x)
         ce = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
@@ -325,7 +409,7 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None) -> None
         tokens_seen += x.numel()
         rec = {"step": step + 1, "tokens": tokens_seen, "loss": round(ce.item(), 5),
                "aux": round(aux.item(), 5), "z": round(z.item(), 4), "grad_norm": round(gn.item(), 4),
-               "lr": lr_at(step), "elapsed_s": round(time.time() - t0, 1)}
+               "lr": lr_schedule(cfg, step), "elapsed_s": round(elapsed_before + time.time() - t0, 1)}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             model.eval()
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -338,11 +422,24 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None) -> None
         if (step + 1) % 25 == 0 or "heldout_loss" in rec:
             print(json.dumps(rec), flush=True)
         step += 1
+        if time.time() - last_ckpt >= ckpt_every:
+            checkpoint(ckpt_path)
+            last_ckpt = time.time()
     log.close()
-    torch.save({"config": dataclasses.asdict(cfg), "state_dict": model.state_dict(),
-                "tokens_seen": tokens_seen, "train_seconds": round(time.time() - t0, 1)},
-               out.with_suffix(".pt"))
-    print(f"trained {cfg.steps} steps, {tokens_seen} tokens in {time.time() - t0:.0f} s")
+    for s_, h in old_handlers.items():
+        signal.signal(s_, h)
+    checkpoint(ckpt_path)
+    if not complete:
+        why = (f"signal {stopping['signal']}" if stopping["signal"] is not None
+               else f"--stop-after-steps {stop_after_steps}" if stop_after is None else f"--stop-after {stop_after:.0f} s")
+        print(f"stopped at step {step} of {cfg.steps} ({why}); checkpoint {ckpt_path}; go on with --resume",
+              flush=True)
+        return False
+    save_atomic({"config": dataclasses.asdict(cfg), "state_dict": model.state_dict(),
+                 "tokens_seen": tokens_seen, "train_seconds": round(elapsed_before + time.time() - t0, 1)},
+                out.with_suffix(".pt"))
+    print(f"trained {cfg.steps} steps, {tokens_seen} tokens in {elapsed_before + time.time() - t0:.0f} s")
+    return True
 
 
 def load_trained(out: Path):
@@ -395,8 +492,8 @@ def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bo
     eot = tok.token_to_id(EOT)
 
     w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_name("tinymoe")
-    w.add_description(f"moe-subst tiny MoE, trained on {tokens_seen} tokens of offline Debian text")
+    w.add_name(cfg.name)
+    w.add_description(f"moe-subst {cfg.name}, trained on {tokens_seen} tokens of offline Debian text")
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
     w.add_context_length(cfg.n_ctx)
     w.add_embedding_length(cfg.d_model)
@@ -531,28 +628,60 @@ def evaluate(cfg: Config, model, work: Path, out: Path, ck) -> dict:
     return res
 
 
+def default_work(shape: str) -> Path:
+    """Where a shape's corpus, tokenizer, token stream and checkpoints live: tinymoe's in build/ (45 minutes of
+    training); studymoe's in the user's cache folder, so that a run of many hours survives a fresh checkout."""
+    if shape == "tinymoe":
+        return ROOT / "build" / shape
+    cache = os.environ.get("MOE_SUBST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moe-subst")
+    return Path(cache) / shape
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", default="all", choices=["tokenizer", "train", "export", "eval", "all"])
-    ap.add_argument("--work", default=str(ROOT / "build/tinymoe"))
-    ap.add_argument("--out", default=str(ROOT / "models/tinymoe-f16.gguf"))
+    ap.add_argument("--shape", default="tinymoe", choices=sorted(SHAPES))
+    ap.add_argument("--work", default=None, help="default build/tinymoe, or for studymoe the cache folder "
+                    "$MOE_SUBST_CACHE/studymoe (~/.cache/moe-subst/studymoe), which outlives a fresh checkout")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2; rounding only differs)")
+    ap.add_argument("--out", default=None, help="default models/<shape>-f16.gguf")
     ap.add_argument("--steps", type=int, default=None, help="total training steps (Config.steps)")
     ap.add_argument("--decay-start", type=int, default=None, help="step where the lr decay starts")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds of training; picks decay_start/steps from the clock (see Config)")
+    ap.add_argument("--stable-steps", type=int, default=None,
+                    help="constant-lr steps (after warmup) before the decay; with --decay-steps")
+    ap.add_argument("--decay-steps", type=int, default=None, help="steps of the linear decay after --stable-steps")
+    ap.add_argument("--stop-after", type=float, default=None,
+                    help="seconds: stop at a step boundary with a checkpoint (go on later with --resume)")
+    ap.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
+    ap.add_argument("--resume", action="store_true", help="go on from <work>/ckpt.pt")
+    ap.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints")
     args = ap.parse_args()
-    work, out = Path(args.work), Path(args.out)
-    cfg = Config()
+    work = Path(args.work) if args.work else default_work(args.shape)
+    out = Path(args.out) if args.out else ROOT / "models" / f"{args.shape}-f16.gguf"
+    cfg = Config(**SHAPES[args.shape])
+    if args.threads is not None:
+        cfg.threads = args.threads
     if args.steps is not None:
         cfg.steps = args.steps
     if args.decay_start is not None:
         cfg.decay_start = args.decay_start
+    if (args.stable_steps is None) != (args.decay_steps is None):
+        ap.error("--stable-steps and --decay-steps go together")
+    if args.stable_steps is not None:
+        cfg.decay_start = args.stable_steps
+        cfg.steps = args.stable_steps + args.decay_steps
     ckpt = work / out.name
     if args.stage in ("tokenizer", "all"):
         train_tokenizer(cfg, work)
     if args.stage in ("train", "all"):
-        train(cfg, work, ckpt, args.time_budget)
+        done = train(cfg, work, ckpt, args.time_budget, resume=args.resume, stop_after=args.stop_after,
+                     stop_after_steps=args.stop_after_steps, ckpt_every=args.checkpoint_every)
         (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+        if not done:
+            return 0
     if args.stage in ("export", "all"):
         cfg, model, ck = load_trained(ckpt)
         out.parent.mkdir(parents=True, exist_ok=True)
