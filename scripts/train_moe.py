@@ -430,8 +430,10 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
         signal.signal(s_, h)
     checkpoint(ckpt_path)
     if not complete:
-        why = (f"signal {stopping['signal']}" if stopping["signal"] is not None
-               else f"--stop-after-steps {stop_after_steps}" if stop_after is None else f"--stop-after {stop_after:.0f} s")
+        if stopping["signal"] is not None:
+            why = f"signal {stopping['signal']}"
+        else:
+            why = f"--stop-after-steps {stop_after_steps}" if stop_after is None else f"--stop-after {stop_after:.0f} s"
         print(f"stopped at step {step} of {cfg.steps} ({why}); checkpoint {ckpt_path}; go on with --resume",
               flush=True)
         return False

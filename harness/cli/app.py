@@ -468,6 +468,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_routing(args: argparse.Namespace) -> int:
+    from harness.parsers.trace import read_expert_trace
+    from harness.report.routing import render_routing
+    from harness.stats.routing import routing_stats
+
+    stats = routing_stats(read_expert_trace(args.trace))
+    console.print(render_routing(stats, str(args.trace)), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from harness.domain.costmodel import list_profiles
     from harness.orchestration.simulate import DEFAULT_RESIDENCIES
@@ -485,6 +495,12 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help=f"hardware profile: {', '.join(list_profiles())}, or a profile .json (default: %(default)s)")
     s.add_argument("--markdown", action="store_true", help="print a Markdown table")
     s.set_defaults(func=_cmd_simulate)
+
+    r = sub.add_parser("routing", help="routing statistics of a router trace: gate weight by rank, heavy calls, "
+                       "expert usage, temporal reuse (how far a model's routing is from the study's)")
+    r.add_argument("--trace", type=Path, required=True, help="router trace (trace=PATH in the cache spec; record "
+                   "it with policy=fetch-all in emulate mode)")
+    r.set_defaults(func=_cmd_routing)
 
     c = sub.add_parser("calibrate", help="fit a hardware profile's constants to measured engine runs")
     c.add_argument("runs", type=Path, help='JSON lines: {"work": {TokenWork fields}, "ms": ms per token}')
