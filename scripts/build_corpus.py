@@ -32,7 +32,7 @@ and bucket-1 document of every source stay out of training, and a second held-ou
 ``heldout-docs.txt``: bucket-0 documents of the new kinds of text (code and prose), which neither model
 has seen, with its manifest ``heldout-docs-sources.json``.
 
-Outputs (``--work`` directory, default build/tinymoe; build/studymoe for ``--corpus study``):
+Outputs (``--work`` directory, default build/tinymoe; ~/.cache/moe-subst/studymoe for ``--corpus study``):
     train.jsonl         one JSON object per training document: {"domain", "source", "text"}
 and, in --eval-dir (default eval/data):
     heldout.txt, topic-shift.txt, topic-shift.json
@@ -395,10 +395,18 @@ def build_study(work: Path, eval_dir: Path) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", choices=["tinymoe", "study"], default="tinymoe")
-    ap.add_argument("--work", default=None, help="default build/tinymoe, or build/studymoe for --corpus study")
+    ap.add_argument("--work", default=None, help="default build/tinymoe, or ~/.cache/moe-subst/studymoe (the "
+                    "folder scripts/train_moe.py --shape studymoe uses) for --corpus study")
     ap.add_argument("--eval-dir", default="eval/data")
     args = ap.parse_args()
-    work = Path(args.work or ("build/studymoe" if args.corpus == "study" else "build/tinymoe"))
+    if args.work:
+        work = Path(args.work)
+    elif args.corpus == "study":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_moe import default_work
+        work = default_work("studymoe")
+    else:
+        work = Path("build/tinymoe")
     eval_dir = Path(args.eval_dir)
     if args.corpus == "study":
         return build_study(work, eval_dir)
