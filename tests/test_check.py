@@ -151,3 +151,20 @@ def test_a_version_1_baseline_is_read_and_skips_the_substitution_checks(tmp_path
     p.write_text(json.dumps({**doc, "schema_version": 1}))
     b = read_baseline(p)
     assert b.schema_version == 1 and b.tolerance_scale == 0.5
+
+
+def test_update_of_a_version_1_baseline_takes_this_runs_tolerance(tmp_path: Path,
+                                                                   synth_models: dict[str, Path]) -> None:
+    """A version-1 tolerance meant the one-sided rule (beyond the CI); kept as the floor of the band, it would let a
+    2x worse preset pass. A version-2 baseline keeps its own."""
+    opts = CheckOptions(**{**_setup(tmp_path, synth_models["qwen3moe"]).__dict__, "tolerance_pct": 0.05})
+    check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path), root=tmp_path)
+    doc = json.loads(opts.baseline.read_text())
+    opts.baseline.write_text(json.dumps({**doc, "schema_version": 1, "tolerance_pct": 0.5}))
+    check(CheckOptions(**{**opts.__dict__, "update": True, "out": tmp_path / "u1"}), runner=FakeRunner(),
+          env=FakeEnv(tmp_path), root=tmp_path)
+    assert json.loads(opts.baseline.read_text())["tolerance_pct"] == 0.05
+    opts.baseline.write_text(json.dumps({**doc, "tolerance_pct": 0.2}))
+    check(CheckOptions(**{**opts.__dict__, "update": True, "out": tmp_path / "u2"}), runner=FakeRunner(),
+          env=FakeEnv(tmp_path), root=tmp_path)
+    assert json.loads(opts.baseline.read_text())["tolerance_pct"] == 0.2

@@ -29,7 +29,7 @@ from harness.domain.results import CompareResult, QualityRow
 from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
-from harness.parsers.baseline import Baseline, read_baseline
+from harness.parsers.baseline import SCHEMA_VERSION, Baseline, read_baseline
 from harness.tools.runners import Runner
 
 # The full model runs the stock graph: its PPL is reproducible on one build and CPU. Across CPUs the native
@@ -183,7 +183,10 @@ def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runne
         n_batch=opts.n_batch, threads=opts.threads, speed=False, quality=True, argv=opts.argv, profile=None)
     result = compare(copts, progress, runner=runner, env=env)
     if opts.update:
-        new = baseline_from(result, base.tolerance_pct if base else opts.tolerance_pct, root)
+        # a baseline of this schema keeps its tolerance; a version-1 one's meant another rule (one-sided, beyond
+        # the CI), so the new baseline takes this run's
+        keep = base is not None and base.schema_version == SCHEMA_VERSION
+        new = baseline_from(result, base.tolerance_pct if keep and base else opts.tolerance_pct, root)
         opts.baseline.parent.mkdir(parents=True, exist_ok=True)
         opts.baseline.write_text(json.dumps(new.to_json(), indent=1) + "\n")
         lines = gate(new, result)
