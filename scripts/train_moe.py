@@ -88,6 +88,7 @@ class Config:
     warmup: int = 30
     weight_decay: float = 0.1
     aux_loss_coef: float = 0.01
+    capacity_factor: float = 0.0  # training only; 0: no pair dropped (tinymoe)
     z_loss_coef: float = 1e-4
     grad_clip: float = 1.0
     threads: int = 2
@@ -100,7 +101,7 @@ SHAPES = {
     # the study's routing shape (Qwen3-Next: 512 routed experts, top-10, normalised top-k weights) with
     # experts small enough to train on 2 CPU cores and a Q8_0 GGUF under 100 MB
     "studymoe": {"name": "studymoe", "n_layer": 6, "n_expert": 512, "top_k": 10, "d_expert": 32,
-                 "batch_seqs": 8, "lr": 2e-3, "warmup": 200, "eval_every": 100},
+                 "batch_seqs": 8, "lr": 2e-3, "warmup": 200, "eval_every": 100, "capacity_factor": 2.0},
 }
 
 
@@ -189,15 +190,24 @@ def build_model(cfg: Config):
             starts = torch.cumsum(counts, 0) - counts
             cap = int(counts.max())
             slot = torch.arange(T * k) - starts[e_sorted]
+            gate_sorted = gate.reshape(-1)[order]
+            if self.training and cfg.capacity_factor > 0:
+                # capacity: an expert takes at most capacity_factor x its fair share of a batch's (token, expert)
+                # pairs; the rest are dropped for this step (their tokens keep their other experts). Without it
+                # the padded batch is as long as the busiest expert's load: with 512 experts and an unbalanced
+                # early router, most of the bmm is padding (10 GB and minutes a step).
+                cap = min(cap, max(1, math.ceil(cfg.capacity_factor * T * k / E)))
+                keep = slot < cap
+                e_sorted, slot, tok_sorted, gate_sorted = (t[keep] for t in (e_sorted, slot, tok_sorted, gate_sorted))
             dest = e_sorted * cap + slot
-            # scatter the (token, expert) pairs into a zero-padded [E, cap, d] batch; nothing is dropped
+            # scatter the (token, expert) pairs into a zero-padded [E, cap, d] batch
             buf = x.new_zeros(E * cap, d).index_copy(0, dest, x[tok_sorted]).view(E, cap, d)
             wg = self.w_gate.to(x.dtype).transpose(1, 2)
             wu = self.w_up.to(x.dtype).transpose(1, 2)
             wd = self.w_down.to(x.dtype).transpose(1, 2)
             h = F.silu(torch.bmm(buf, wg)) * torch.bmm(buf, wu)
             y = torch.bmm(h, wd).reshape(E * cap, d)
-            y = y[dest] * gate.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+            y = y[dest] * gate_sorted.unsqueeze(1).to(y.dtype)
             out = torch.zeros(T, d, dtype=y.dtype).index_add(0, tok_sorted, y)
             # load-balancing loss (Switch style, over all k choices) and router z-loss
             frac = counts.float() / (T * k)
