@@ -1,6 +1,8 @@
 // Unit tests of the moe-subst expert residency policy (src/llama/llama-expert-policy.cpp).
-// Built and run by tests/test_expert_cache.py:  c++ -std=c++17 -O1 -Isrc/llama -Isrc/include this.cpp src/llama/llama-expert-policy.cpp
+// Built and run by tests/test_expert_cache.py: c++ -std=c++17 -O1 -Isrc/llama -Isrc/include this.cpp with the model-free
+// sources (MOE_SUBST_POLICY_SOURCES in src/moe-subst.cmake)
 #include "llama-expert-policy.h"
+#include "llama-expert-profile.h"
 
 #include <algorithm>
 #include <cmath>
@@ -701,7 +703,7 @@ static void test_fast_substitute() {
                 break;
             }
         }
-        CHECK(fast.expert_of == slow.expert_of);
+        CHECK(fast.experts() == slow.experts());
         CHECK(fast.stats.substitutions == slow.stats.substitutions && fast.stats.substitutions > 0);
     }
 }
@@ -780,7 +782,7 @@ static void test_ram_tier() {
     {
         llama_expert_layer_policy p;
         p.init(8, 2, cfg_of("mode=emulate,host=file,rule=fetch-all,evict=lru,slots=2,ram_slots=3"));
-        CHECK(p.n_ram == 3 && p.ram_expert[0] == 0 && p.ram_expert[1] == 1 && p.ram_expert[2] == -1);
+        CHECK(p.n_ram == 3 && p.ram_expert_of(0) == 0 && p.ram_expert_of(1) == 1 && p.ram_expert_of(2) == -1);
         step(p, { 2 }, { 1.0f }, scores); // from the file, into the free RAM slot; slot of 0 (LRU, lowest id)
         CHECK(p.stats.file_loads == 1 && p.stats.ram_tier_loads == 0 && p.in_ram(2) && !p.is_resident(0));
         step(p, { 0 }, { 1.0f }, scores); // the RAM tier holds 0

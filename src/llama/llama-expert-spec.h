@@ -1,0 +1,150 @@
+#pragma once
+
+// The expert cache's configuration (moe-subst): one spec string ("mode=emulate,policy=quality,slots=25%"), parsed in
+// one place into llama_expert_cache_config, and the checks that need the model (k, experts per layer).
+
+#include "llama-expert-rules.h"
+
+#include <cstdint>
+#include <string>
+
+enum llama_expert_cache_mode {
+    LLAMA_EXPERT_CACHE_MODE_OFF     = 0,
+    LLAMA_EXPERT_CACHE_MODE_EMULATE = 1,
+    LLAMA_EXPERT_CACHE_MODE_ENGINE  = 2, // real cache banks and copies (llama-expert-engine.h)
+};
+
+enum llama_expert_evict {
+    LLAMA_EXPERT_EVICT_LFU = 0,
+    LLAMA_EXPERT_EVICT_LRU = 1,
+    LLAMA_EXPERT_EVICT_CLASSLRU = 2, // upstream llama.cpp's ClassLRU: decayed-count classes, an LRU order in each
+};
+
+// how engine mode copies background admissions
+enum llama_expert_async {
+    LLAMA_EXPERT_ASYNC_AUTO   = 0, // a copy stream where the device offers async copies and events, else off
+    LLAMA_EXPERT_ASYNC_OFF    = 1, // synchronous copies
+    LLAMA_EXPERT_ASYNC_THREAD = 2, // a host copy thread (banks in RAM)
+};
+
+// host=file: how the engine reads the model file
+enum llama_expert_direct {
+    LLAMA_EXPERT_DIRECT_AUTO = 0, // O_DIRECT where the file system and alignment allow it, else buffered reads
+    LLAMA_EXPERT_DIRECT_ON   = 1, // O_DIRECT, or an error at start
+    LLAMA_EXPERT_DIRECT_OFF  = 2, // buffered reads, the pages dropped from the page cache after each read
+};
+
+struct llama_expert_cache_config {
+    std::string spec; // the spec string as given
+
+    llama_expert_cache_mode mode = LLAMA_EXPERT_CACHE_MODE_OFF;
+    std::string             preset = "fetch-all";
+
+    llama_expert_miss_rule rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
+    float                  tau   = 0.15f; // rule=threshold; rule=zero: 0.03 unless given
+    // rule=threshold with host=file: the threshold for misses read from the model file (a read costs ~10-20x a
+    // copy from RAM); below 0: tau
+    float                  tau_file = -1.0f;
+    llama_expert_evict     evict = LLAMA_EXPERT_EVICT_LRU;
+    bool                   admit = false;
+    float                  beta  = 0.5f;
+
+    // LFU: all use counts of a layer are halved every lfu_halve tokens of that layer (0: never)
+    uint32_t lfu_halve = 1024;
+
+    // ClassLRU (evict=classlru): half-life of the decayed use counts in tokens of the layer, number of classes
+    uint32_t classlru_half_life = 128;
+    uint32_t classlru_classes   = 8;
+
+    // rule=cache-route: ranks < route_j always computed; substitutes from the router's top route_m (0: 2k);
+    // a substitute's gate weight times route_alpha
+    int32_t route_j     = 1;
+    int32_t route_m     = 0;
+    float   route_alpha = 1.0f;
+
+    // rule=ser: the first ser_kmin ranks always run; a later rank runs if w > ser_t * w_0
+    int32_t ser_kmin = 1;
+    float   ser_t    = 0.1f;
+
+    // rule=band: substitute a miss with gate weight in [band_lo, band_hi) (band_hi = 1: no upper bound)
+    float band_lo = 0.0f;
+    float band_hi = 1.0f;
+
+    // rules that drop (drop, zero, ser): rescale the computed selections to the weight sum of all k (renorm=on)
+    bool renorm = false;
+
+    // rules that substitute: a light miss (not fetched by rank or weight) is computed on the host (light=host)
+    bool light_host = false;
+
+    // prefetch=on: the next MoE layer's router applied to this layer's input predicts that layer's k experts; the
+    // predicted ones that are not resident are admitted in the background before that layer decides the token
+    bool prefetch = false;
+
+    // residency: slots_count >= 0 wins, otherwise slots_pct percent of the layer's experts
+    int32_t slots_count = -1;
+    float   slots_pct   = 25.0f;
+
+    // three tiers (host=file): a RAM tier of experts per layer between the slots and the model file
+    // (ram_slots_count >= 0 wins, else ram_slots_pct > 0 percent; neither: two tiers). A miss the RAM tier holds
+    // is copied from it (the threshold rule's tau), any other is read from the file into the RAM tier and the
+    // slot (tau_file); the RAM tier evicts its least recently used expert
+    int32_t ram_slots_count = -1;
+    float   ram_slots_pct   = -1.0f;
+
+    // residency by budget (mode engine or emulate): bytes of device memory for the non-expert weights, the
+    // context and the cache banks there; the slots per layer are computed to fit (wins over slots)
+    uint64_t vram         = 0;
+    uint64_t vram_reserve = 256ull << 20; // left for the compute buffers, which are sized later (either budget)
+    uint64_t ram = 0; // residency from a RAM budget (CPU builds, host=file): the experts stay in the file
+
+    // ubatches of at least this many tokens skip the policy: stock routing, then the residency is warmed
+    // with the ubatch's most selected experts (prefill); 0: never
+    uint32_t bypass = 0;
+
+    // ubatches of at most this many tokens compute from the cache banks together, their experts held resident
+    // for the whole ubatch (parallel sequences, speculative decoding), when group*k <= slots; -1: auto, the
+    // most that fit (slots / k); 0 or 1: one-token ubatches only. Larger ubatches use the full expert tensors.
+    int32_t group = -1;
+
+    // how engine mode copies background admissions: auto (a second backend instance with its own stream and
+    // an event per layer where the device offers them, else synchronous), off (synchronous), thread (a host
+    // thread, for banks in RAM: CPU builds, tests)
+    llama_expert_async async = LLAMA_EXPERT_ASYNC_AUTO;
+
+    // where engine mode reads a missed expert's bytes: false (host=ram) from the expert tensors in memory,
+    // true (host=file) straight from the model file, so that the mmap'd expert tensors cost no RAM
+    bool host_file = false;
+    // host=file: threads that read missed experts in parallel (the ubatch's fetches first, background admissions
+    // after them), and whether reads bypass the page cache
+    int32_t             readers = 4;
+    llama_expert_direct direct  = LLAMA_EXPERT_DIRECT_AUTO;
+
+    std::string off_ignored; // mode=off: the other keys given, which have no effect (a warning names them)
+
+    std::string profile;     // initial residency from a profile file (see profile_out)
+    std::string profile_out; // write per-layer expert selection counts at the end
+    std::string stats;       // write statistics as JSON at the end
+    std::string trace;       // write a binary router trace
+    uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
+};
+
+// Parse a spec such as "mode=emulate,policy=quality,slots=25%".
+// Returns false and sets err (naming the bad key and the accepted values) on error.
+bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cache_config & cfg, std::string & err);
+
+// The number of slots per layer for a layer with n_expert experts.
+int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
+
+// The RAM tier's slots per layer (three tiers); 0: none.
+int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
+
+// The checks that need the model's experts per token k and experts per layer: j <= k, k <= m <= n_expert,
+// kmin <= k. Returns false and sets err (one line naming the key and the accepted range) on error.
+bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, int32_t k, int32_t n_expert, std::string & err);
+
+// Whether the rule can change the gate weights the expert ops use (drops, skips, alpha, renorm): the route step
+// then multiplies them by the policy's per-rank factors (out_scale of decide()).
+bool llama_expert_cache_config_scales_weights(const llama_expert_cache_config & cfg);
+
+const char * llama_expert_evict_name(llama_expert_evict evict);
+const char * llama_expert_cache_mode_name(llama_expert_cache_mode mode);
