@@ -211,29 +211,10 @@ llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, c
     LLAMA_LOG_INFO("%s: mode = %s, policy = %s (rule = %s, tau = %.3f, evict = %s, admit = %s, beta = %.3f, lfu halving every %u tokens)\n",
         __func__, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), llama_expert_miss_rule_name(cfg.rule),
         cfg.tau, llama_expert_evict_name(cfg.evict), cfg.admit ? "on" : "off", cfg.beta, cfg.lfu_halve);
-    switch (cfg.rule) {
-        case LLAMA_EXPERT_MISS_CACHE_ROUTE:
-            LLAMA_LOG_INFO("%s: cache-route: ranks < %d always computed, substitutes from the router's top %d, alpha = %.3f, light misses %s\n",
-                __func__, cfg.route_j, cfg.route_m > 0 ? cfg.route_m : std::min(n_expert, 2*n_used), cfg.route_alpha,
-                cfg.light_host ? "on the host" : "substituted");
-            break;
-        case LLAMA_EXPERT_MISS_SER:
-            LLAMA_LOG_INFO("%s: ser: kmin = %d, t = %.3f, renorm = %s\n", __func__, cfg.ser_kmin, cfg.ser_t, cfg.renorm ? "on" : "off");
-            break;
-        case LLAMA_EXPERT_MISS_BAND:
-            LLAMA_LOG_INFO("%s: band: misses with gate weight in [%.3f, %s) substituted at any rank, the others fetched%s\n",
-                __func__, cfg.band_lo, cfg.band_hi >= 1.0f ? "1]" : std::to_string(cfg.band_hi).c_str(),
-                cfg.light_host ? " (light=host: computed on the host)" : "");
-            break;
-        case LLAMA_EXPERT_MISS_ZERO:
-        case LLAMA_EXPERT_MISS_DROP:
-            LLAMA_LOG_INFO("%s: renorm = %s\n", __func__, cfg.renorm ? "on" : "off");
-            break;
-        default:
-            if (cfg.light_host) {
-                LLAMA_LOG_INFO("%s: light misses computed on the host\n", __func__);
-            }
-            break;
+    const std::string rule_line = llama_expert_rule_describe(llama_expert_rule_of(cfg.rule),
+        llama_expert_cache_config_params(cfg), n_used, n_expert);
+    if (!rule_line.empty()) {
+        LLAMA_LOG_INFO("%s: %s\n", __func__, rule_line.c_str());
     }
     if (cfg.prefetch) {
         LLAMA_LOG_INFO("%s: prefetch: each MoE layer's route step predicts the next MoE layer's experts with that layer's router%s\n",

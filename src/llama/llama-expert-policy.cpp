@@ -29,28 +29,9 @@ void llama_expert_policy_stats::add(const llama_expert_policy_stats & o) {
 void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const llama_expert_cache_config & cfg) {
     n_expert  = n_expert_;
     n_slots   = std::min(n_slots_, n_expert_);
-    rule      = cfg.rule;
-    // the threshold of the tier the misses come from: the model file (host=file) or memory; with a RAM tier,
-    // tau_ram for the misses it holds
-    tau       = cfg.host_file && cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau;
-    tau_ram   = cfg.tau;
+    par       = llama_expert_cache_config_params(cfg);
+    rule_row  = &llama_expert_rule_of(par.rule);
     n_ram     = std::min(llama_expert_cache_config_n_ram_slots(cfg, n_expert_), n_expert_);
-    evict     = cfg.evict;
-    admit     = cfg.admit;
-    beta      = cfg.beta;
-    lfu_halve = cfg.lfu_halve;
-    classlru_half_life = cfg.classlru_half_life;
-    classlru_classes   = cfg.classlru_classes;
-    route_j     = cfg.route_j;
-    route_m     = cfg.route_m;
-    route_alpha = cfg.route_alpha;
-    ser_kmin    = cfg.ser_kmin;
-    ser_t       = cfg.ser_t;
-    band_lo     = cfg.band_lo;
-    band_hi     = cfg.band_hi;
-    renorm      = cfg.renorm;
-    light_host  = cfg.light_host;
-    prefetch    = cfg.prefetch;
 
     initial.resize(n_slots);
     for (int32_t s = 0; s < n_slots; ++s) {
@@ -217,7 +198,7 @@ int32_t llama_expert_layer_policy::prefetch_experts(const int32_t * ids, int32_t
 
 double llama_expert_layer_policy::classlru_count(int32_t e) const {
     // exact exponential decay, applied lazily: the count as of decay_tick, halved every half_life ticks since
-    return decay_count[e] * std::exp2(-(double) (tick - decay_tick[e]) / (double) classlru_half_life);
+    return decay_count[e] * std::exp2(-(double) (tick - decay_tick[e]) / (double) par.classlru_half_life);
 }
 
 int32_t llama_expert_layer_policy::classlru_class(int32_t e) const {
@@ -227,7 +208,7 @@ int32_t llama_expert_layer_policy::classlru_class(int32_t e) const {
     }
     int ex = 0;
     std::frexp(c, &ex); // c = f * 2^ex, f in [0.5, 1): floor(log2(c)) = ex - 1, exactly
-    return std::min<int32_t>(ex - 1, (int32_t) classlru_classes - 1);
+    return std::min<int32_t>(ex - 1, (int32_t) par.classlru_classes - 1);
 }
 
 void llama_expert_layer_policy::count_use(int32_t e, double n) {
@@ -235,7 +216,7 @@ void llama_expert_layer_policy::count_use(int32_t e, double n) {
         return;
     }
     use_count[e] += (uint32_t) n;
-    if (evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
+    if (par.evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
         decay_count[e] = classlru_count(e) + n;
         decay_tick[e]  = tick;
     }
@@ -244,7 +225,7 @@ void llama_expert_layer_policy::count_use(int32_t e, double n) {
 int32_t llama_expert_layer_policy::find_slot() {
     int32_t best    = -1;
     int32_t best_e  = -1;
-    if (evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
+    if (par.evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
         // ClassLRU: the least recently used evictable expert of each class (ties: lowest id), then among those
         // the largest age / 2^class (ties: the lower class)
         int32_t head[32];
@@ -264,7 +245,7 @@ int32_t llama_expert_layer_policy::find_slot() {
             }
         }
         double best_key = -1.0;
-        for (int32_t c = 0; c < (int32_t) classlru_classes; ++c) {
+        for (int32_t c = 0; c < (int32_t) par.classlru_classes; ++c) {
             const int32_t e = head[c];
             if (e < 0) {
                 continue;
@@ -295,7 +276,7 @@ int32_t llama_expert_layer_policy::find_slot() {
             continue;
         }
         bool better;
-        if (evict == LLAMA_EXPERT_EVICT_LFU) {
+        if (par.evict == LLAMA_EXPERT_EVICT_LFU) {
             // least frequently used; ties: least recently used, then lowest id
             better = use_count[e] < use_count[best_e] ||
                 (use_count[e] == use_count[best_e] && (last_use[e] < last_use[best_e] ||
@@ -374,7 +355,7 @@ int32_t llama_expert_layer_policy::find_substitute(const float * scores, bool al
 int32_t llama_expert_layer_policy::find_route_substitute(const float * scores, int32_t k) {
     // the router's top m of this token (score descending, ties: lowest id), built on the first need
     if (window_tick != tick) {
-        const int32_t m = std::min(n_expert, route_m > 0 ? route_m : 2*k);
+        const int32_t m = std::min(n_expert, par.route_m > 0 ? par.route_m : 2*k);
         window.resize(n_expert);
         for (int32_t e = 0; e < n_expert; ++e) {
             window[e] = e;
@@ -405,6 +386,7 @@ void llama_expert_layer_policy::end_group() {
 
 void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int32_t k, const float * scores,
                                        int32_t * out_ids, uint8_t * out_actions, float * out_scale) {
+    const llama_expert_rule & R = *rule_row;
     ++tick;
     for (int32_t r = 0; r < k; ++r) {
         sel_mark[ids[r]] = tick;
@@ -422,8 +404,8 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             out_scale[r] = 1.0f;
         }
 
-        // SER (cache-unaware): a rank after the first kmin runs only if its weight is > t * the first choice's
-        if (rule == LLAMA_EXPERT_MISS_SER && r >= ser_kmin && !(w[r] > ser_t * w[0])) {
+        // a cache-unaware rule (SER) skips a selection before the residency is looked at
+        if (R.skip && R.skip(r, w[r], w[0], par)) {
             stats.skips++;
             drop_mass     += w[r];
             out_ids[r]     = e;
@@ -446,7 +428,10 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
 
         stats.misses++;
 
-        if (rule == LLAMA_EXPERT_MISS_DROP || (rule == LLAMA_EXPERT_MISS_ZERO && w[r] < tau)) {
+        // the rule's verdict on the miss (the tier: whether it would be read from the model file)
+        const llama_expert_verdict v = llama_expert_rule_verdict(R, r, w[r], par.host_file && !in_ram(e), par);
+
+        if (v == LLAMA_EXPERT_VERDICT_DROP) {
             stats.drops++;
             drop_mass     += w[r];
             out_ids[r]     = e;
@@ -454,36 +439,24 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             continue;
         }
 
-        bool want_fetch = false;
-        switch (rule) {
-            case LLAMA_EXPERT_MISS_FETCH_ALL:      want_fetch = true; break;
-            case LLAMA_EXPERT_MISS_THRESHOLD:      want_fetch = r == 0 || w[r] >= (in_ram(e) ? tau_ram : tau); break;
-            case LLAMA_EXPERT_MISS_FIRST_CHOICE:   want_fetch = r == 0; break;
-            case LLAMA_EXPERT_MISS_SUBSTITUTE_ALL: want_fetch = false; break;
-            case LLAMA_EXPERT_MISS_CACHE_ROUTE:    want_fetch = r < route_j; break;
-            case LLAMA_EXPERT_MISS_ZERO:           want_fetch = true; break;
-            case LLAMA_EXPERT_MISS_SER:            want_fetch = true; break;
-            case LLAMA_EXPERT_MISS_BAND:           want_fetch = !(w[r] >= band_lo && (w[r] < band_hi || band_hi >= 1.0f)); break;
-            case LLAMA_EXPERT_MISS_DROP:           break;
-        }
-
-        if (!want_fetch && light_host) {
+        if (v == LLAMA_EXPERT_VERDICT_HOST) {
             // a light miss computed on the host with the missed expert itself: exact, the residency is unchanged
             stats.host_computes++;
             out_ids[r]     = e;
             out_actions[r] = LLAMA_EXPERT_ACTION_HOST;
-            if (admit) {
+            if (par.admit) {
                 admit_acc[e] += w[r];
-                if (admit_acc[e] >= beta) {
+                if (admit_acc[e] >= par.beta) {
                     pending.push_back(e);
                 }
             }
             continue;
         }
 
+        const bool want_fetch = v == LLAMA_EXPERT_VERDICT_FETCH;
         int32_t sub = -1;
         if (!want_fetch) {
-            sub = rule == LLAMA_EXPERT_MISS_CACHE_ROUTE ? find_route_substitute(scores, k) : find_substitute(scores, false);
+            sub = R.windowed ? find_route_substitute(scores, k) : find_substitute(scores, false);
             // no resident expert available (cache-route: none within the router's top m): fetch
         }
         if (sub < 0) {
@@ -529,13 +502,13 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         ram_touch(sub);
         out_ids[r]     = sub;
         out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
-        if (out_scale && rule == LLAMA_EXPERT_MISS_CACHE_ROUTE) {
-            out_scale[r] = route_alpha;
+        if (out_scale && R.windowed) {
+            out_scale[r] = par.route_alpha;
         }
 
-        if (admit) {
+        if (par.admit) {
             admit_acc[e] += w[r];
-            if (admit_acc[e] >= beta) {
+            if (admit_acc[e] >= par.beta) {
                 pending.push_back(e);
             }
         }
@@ -551,7 +524,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
     }
 
     // renorm=on: the computed selections take the weight of all k (their weights times sum / kept sum)
-    if (renorm && out_scale) {
+    if (par.renorm && out_scale) {
         double sum = 0.0, kept = 0.0;
         for (int32_t r = 0; r < k; ++r) {
             sum += w[r];
@@ -605,7 +578,7 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
     stats.mass_hist[bin]++;
 
     // LFU aging
-    if (evict == LLAMA_EXPERT_EVICT_LFU && lfu_halve > 0 && tick % lfu_halve == 0) {
+    if (par.evict == LLAMA_EXPERT_EVICT_LFU && par.lfu_halve > 0 && tick % par.lfu_halve == 0) {
         for (auto & c : use_count) {
             c >>= 1;
         }

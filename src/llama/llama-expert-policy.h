@@ -92,24 +92,9 @@ struct llama_expert_layer_policy {
     int32_t n_expert = 0;
     int32_t n_slots  = 0;
 
-    llama_expert_miss_rule rule  = LLAMA_EXPERT_MISS_FETCH_ALL;
-    float                  tau   = 0.15f;
-    llama_expert_evict     evict = LLAMA_EXPERT_EVICT_LRU;
-    bool                   admit = false;
-    float                  beta  = 0.5f;
-    uint32_t               lfu_halve = 1024;
-    uint32_t               classlru_half_life = 128;
-    uint32_t               classlru_classes   = 8;
-    int32_t                route_j     = 1;
-    int32_t                route_m     = 0; // 0: 2k
-    float                  route_alpha = 1.0f;
-    int32_t                ser_kmin    = 1;
-    float                  ser_t       = 0.1f;
-    float                  band_lo     = 0.0f;
-    float                  band_hi     = 1.0f;
-    bool                   renorm      = false;
-    bool                   light_host  = false;
-    bool                   prefetch    = false;
+    // the parameters, resolved once from the configuration (llama_expert_cache_config_params), and the rule's row
+    const llama_expert_params & params() const { return par; }
+    const llama_expert_rule   & rule() const { return *rule_row; }
 
     // choose substitutes from a per-token list of the best candidates (same result as a full scan per
     // substitution, which is what false does; kept for tests)
@@ -118,7 +103,6 @@ struct llama_expert_layer_policy {
 
     // three tiers: the RAM tier (n_ram slots; none when 0), LRU, inclusive of what was loaded through it
     int32_t               n_ram   = 0;
-    float                 tau_ram = 0.15f; // rule=threshold: the threshold for misses the RAM tier holds
     std::vector<uint64_t> ram_last;   // tick of the last load or use of an expert in the RAM tier
     bool in_ram(int32_t e) const { return n_ram > 0 && ram_slot_by_expert[e] >= 0; }
 
@@ -158,6 +142,9 @@ struct llama_expert_layer_policy {
     void count_use(int32_t e, double n);
 
 private:
+    llama_expert_params       par;
+    const llama_expert_rule * rule_row = &LLAMA_EXPERT_RULES[0];
+
     std::vector<int32_t> slot_by_expert;     // expert -> slot, -1 if not resident
     std::vector<int32_t> expert_by_slot;     // slot -> expert, -1 if empty
     std::vector<int32_t> ram_slot_by_expert; // three tiers: expert -> RAM slot, -1

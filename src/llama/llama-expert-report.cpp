@@ -93,22 +93,6 @@ static void write_stats_obj(FILE * f, const llama_expert_policy_stats & s, uint6
     fprintf(f, "]\n");
 }
 
-static std::string json_str(const std::string & s) {
-    std::string o = "\"";
-    for (char c : s) {
-        if (c == '"' || c == '\\') {
-            o += '\\'; o += c;
-        } else if ((unsigned char) c < 0x20) {
-            char buf[8];
-            snprintf(buf, sizeof(buf), "\\u%04x", c);
-            o += buf;
-        } else {
-            o += c;
-        }
-    }
-    return o + "\"";
-}
-
 bool llama_expert_cache::write_stats(const std::string & path) const {
     FILE * f = fopen(path.c_str(), "w");
     if (!f) {
@@ -118,32 +102,7 @@ bool llama_expert_cache::write_stats(const std::string & path) const {
     fprintf(f, "  \"schema\": \"moe-subst/expert-cache-stats\",\n");
     fprintf(f, "  \"schema_version\": %d,\n", LLAMA_EXPERT_STATS_SCHEMA_VERSION);
     fprintf(f, "  \"config\": {\n");
-    fprintf(f, "    \"spec\": %s,\n", json_str(cfg.spec).c_str());
-    fprintf(f, "    \"mode\": \"%s\",\n", llama_expert_cache_mode_name(cfg.mode));
-    fprintf(f, "    \"policy\": \"%s\",\n", cfg.preset.c_str());
-    fprintf(f, "    \"rule\": \"%s\",\n", llama_expert_miss_rule_name(cfg.rule));
-    fprintf(f, "    \"tau\": %.9g,\n", cfg.tau);
-    fprintf(f, "    \"host\": \"%s\",\n", cfg.host_file ? "file" : "ram");
-    fprintf(f, "    \"tau_file\": %.9g,\n", cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau);
-    fprintf(f, "    \"ram_slots\": %d,\n", llama_expert_cache_config_n_ram_slots(cfg, n_expert));
-    fprintf(f, "    \"evict\": \"%s\",\n", llama_expert_evict_name(cfg.evict));
-    fprintf(f, "    \"admit\": %s,\n", cfg.admit ? "true" : "false");
-    fprintf(f, "    \"beta\": %.9g,\n", cfg.beta);
-    fprintf(f, "    \"lfu_halve\": %u,\n", cfg.lfu_halve);
-    fprintf(f, "    \"classlru_half_life\": %u,\n", cfg.classlru_half_life);
-    fprintf(f, "    \"classlru_classes\": %u,\n", cfg.classlru_classes);
-    fprintf(f, "    \"route_j\": %d,\n", cfg.route_j);
-    fprintf(f, "    \"route_m\": %d,\n", cfg.route_m > 0 ? cfg.route_m : std::min(n_expert, 2*n_used));
-    fprintf(f, "    \"route_alpha\": %.9g,\n", cfg.route_alpha);
-    fprintf(f, "    \"ser_kmin\": %d,\n", cfg.ser_kmin);
-    fprintf(f, "    \"ser_t\": %.9g,\n", cfg.ser_t);
-    fprintf(f, "    \"renorm\": %s,\n", cfg.renorm ? "true" : "false");
-    fprintf(f, "    \"light\": \"%s\",\n", cfg.light_host ? "host" : "substitute");
-    fprintf(f, "    \"prefetch\": %s,\n", cfg.prefetch ? "true" : "false");
-    fprintf(f, "    \"slots\": %d,\n", n_slots);
-    fprintf(f, "    \"n_expert\": %d,\n", n_expert);
-    fprintf(f, "    \"n_expert_used\": %d,\n", n_used);
-    fprintf(f, "    \"profile\": %s\n", json_str(cfg.profile).c_str());
+    fputs(llama_expert_cache_config_json(cfg, n_expert, n_used, n_slots, "    ").c_str(), f);
     fprintf(f, "  },\n");
     fprintf(f, "  \"mass_hist_edges\": [");
     for (int i = 0; i <= LLAMA_EXPERT_MASS_HIST_BINS; ++i) {

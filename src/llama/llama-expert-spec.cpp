@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -14,11 +15,6 @@
 //
 // configuration
 //
-
-static const char * LLAMA_EXPERT_CACHE_KEYS =
-    "mode, policy, rule, tau, tau_file, j, m, alpha, kmin, t, lo, hi, renorm, light, evict, admit, halve, half_life, classes, "
-    "slots, ram_slots, vram, vram_reserve, ram, bypass, group, async, host, readers, direct, prefetch, profile, profile_out, "
-    "stats, trace, trace_top";
 
 const char * llama_expert_evict_name(llama_expert_evict evict) {
     switch (evict) {
@@ -143,7 +139,21 @@ static bool bad_value(std::string & err, const std::string & key, const std::str
     return false;
 }
 
-static bool apply_preset(const std::string & val, llama_expert_cache_config & cfg, std::string & err) {
+//
+// the spec keys: one parser per row of LLAMA_EXPERT_SPEC_KEYS; false: the value is refused (the error names the
+// row's accepted values)
+//
+
+static bool spec_key_mode(const std::string & val, llama_expert_cache_config & cfg) {
+    if      (val == "off")     { cfg.mode = LLAMA_EXPERT_CACHE_MODE_OFF; }
+    else if (val == "emulate") { cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE; }
+    else if (val == "engine")  { cfg.mode = LLAMA_EXPERT_CACHE_MODE_ENGINE; }
+    else { return false; }
+    return true;
+}
+
+// a preset, applied before the explicit keys
+static bool spec_key_policy(const std::string & val, llama_expert_cache_config & cfg) {
     if (val == "quality") {
         cfg.rule  = LLAMA_EXPERT_MISS_THRESHOLD;
         cfg.tau   = 0.15f;
@@ -167,9 +177,266 @@ static bool apply_preset(const std::string & val, llama_expert_cache_config & cf
         cfg.evict = LLAMA_EXPERT_EVICT_LFU;
         cfg.admit = false;
     } else {
-        return bad_value(err, "policy", val, "quality, speed, fetch-all, drop-light");
+        return false;
     }
     cfg.preset = val;
+    return true;
+}
+
+static bool spec_key_rule(const std::string & val, llama_expert_cache_config & cfg) {
+    const llama_expert_rule * r = llama_expert_rule_find(val.c_str());
+    if (!r) {
+        return false;
+    }
+    cfg.rule = r->id;
+    return true;
+}
+
+static bool parse_unit(const std::string & val, float & out) {
+    float v;
+    if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
+        return false;
+    }
+    out = v;
+    return true;
+}
+
+static bool parse_int(const std::string & val, uint64_t lo, uint64_t hi, uint64_t & out) {
+    uint64_t v;
+    if (!parse_uint(val, v) || v < lo || v > hi) {
+        return false;
+    }
+    out = v;
+    return true;
+}
+
+// a choice of two words: sets out to whether val is `yes`
+static bool parse_choice(const std::string & val, const char * yes, const char * no, bool & out) {
+    if (val == yes) {
+        out = true;
+    } else if (val == no) {
+        out = false;
+    } else {
+        return false;
+    }
+    return true;
+}
+
+static bool spec_key_tau(const std::string & val, llama_expert_cache_config & cfg)      { return parse_unit(val, cfg.tau); }
+static bool spec_key_tau_file(const std::string & val, llama_expert_cache_config & cfg) { return parse_unit(val, cfg.tau_file); }
+static bool spec_key_alpha(const std::string & val, llama_expert_cache_config & cfg)    { return parse_unit(val, cfg.route_alpha); }
+static bool spec_key_t(const std::string & val, llama_expert_cache_config & cfg)        { return parse_unit(val, cfg.ser_t); }
+static bool spec_key_lo(const std::string & val, llama_expert_cache_config & cfg)       { return parse_unit(val, cfg.band_lo); }
+static bool spec_key_hi(const std::string & val, llama_expert_cache_config & cfg)       { return parse_unit(val, cfg.band_hi); }
+
+static bool spec_key_j(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, 65536, v) && (cfg.route_j = (int32_t) v, true);
+}
+
+static bool spec_key_m(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    if (val == "auto") {
+        cfg.route_m = 0;
+        return true;
+    }
+    return parse_int(val, 1, 1000000, v) && (cfg.route_m = (int32_t) v, true);
+}
+
+static bool spec_key_kmin(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 1, 65536, v) && (cfg.ser_kmin = (int32_t) v, true);
+}
+
+static bool spec_key_min_rank(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, 65536, v) && (cfg.band_min_rank = (int32_t) v, true);
+}
+
+static bool spec_key_renorm(const std::string & val, llama_expert_cache_config & cfg)   { return parse_choice(val, "on", "off", cfg.renorm); }
+static bool spec_key_light(const std::string & val, llama_expert_cache_config & cfg)    { return parse_choice(val, "host", "substitute", cfg.light_host); }
+static bool spec_key_prefetch(const std::string & val, llama_expert_cache_config & cfg) { return parse_choice(val, "on", "off", cfg.prefetch); }
+static bool spec_key_host(const std::string & val, llama_expert_cache_config & cfg)     { return parse_choice(val, "file", "ram", cfg.host_file); }
+
+static bool spec_key_evict(const std::string & val, llama_expert_cache_config & cfg) {
+    if      (val == "lfu")      { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
+    else if (val == "lru")      { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
+    else if (val == "classlru") { cfg.evict = LLAMA_EXPERT_EVICT_CLASSLRU; }
+    else { return false; }
+    return true;
+}
+
+static bool spec_key_half_life(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 1, UINT32_MAX, v) && (cfg.classlru_half_life = (uint32_t) v, true);
+}
+
+static bool spec_key_classes(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 1, 32, v) && (cfg.classlru_classes = (uint32_t) v, true);
+}
+
+static bool spec_key_admit(const std::string & val, llama_expert_cache_config & cfg) {
+    float v;
+    if (val == "off") {
+        cfg.admit = false;
+    } else if (val == "on") {
+        cfg.admit = true;
+    } else if (parse_float(val, v) && v > 0.0f) {
+        cfg.admit = true;
+        cfg.beta  = v;
+    } else {
+        return false;
+    }
+    return true;
+}
+
+static bool spec_key_halve(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, UINT32_MAX, v) && (cfg.lfu_halve = (uint32_t) v, true);
+}
+
+// the slots' residency, or (ram_slots) the RAM tier's (three tiers: slots <- RAM tier <- model file)
+static bool spec_key_slots(const std::string & val, llama_expert_cache_config & cfg) {
+    return parse_residency(val, cfg.slots_count, cfg.slots_pct);
+}
+
+static bool spec_key_ram_slots(const std::string & val, llama_expert_cache_config & cfg) {
+    return parse_residency(val, cfg.ram_slots_count, cfg.ram_slots_pct);
+}
+
+static bool spec_key_ram(const std::string & val, llama_expert_cache_config & cfg) {
+    return parse_size(val, cfg.ram) && cfg.ram != 0;
+}
+
+static bool spec_key_vram(const std::string & val, llama_expert_cache_config & cfg) {
+    return parse_size(val, cfg.vram) && cfg.vram != 0;
+}
+
+static bool spec_key_vram_reserve(const std::string & val, llama_expert_cache_config & cfg) {
+    return parse_size(val, cfg.vram_reserve);
+}
+
+static bool spec_key_bypass(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, INT32_MAX, v) && v != 1 && (cfg.bypass = (uint32_t) v, true);
+}
+
+static bool spec_key_group(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    if (val == "auto") {
+        cfg.group = -1;
+        return true;
+    }
+    return parse_int(val, 0, 65536, v) && (cfg.group = (int32_t) v, true);
+}
+
+static bool spec_key_async(const std::string & val, llama_expert_cache_config & cfg) {
+    if      (val == "auto")   { cfg.async = LLAMA_EXPERT_ASYNC_AUTO; }
+    else if (val == "off")    { cfg.async = LLAMA_EXPERT_ASYNC_OFF; }
+    else if (val == "thread") { cfg.async = LLAMA_EXPERT_ASYNC_THREAD; }
+    else { return false; }
+    return true;
+}
+
+static bool spec_key_readers(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 1, 64, v) && (cfg.readers = (int32_t) v, true);
+}
+
+static bool spec_key_direct(const std::string & val, llama_expert_cache_config & cfg) {
+    if      (val == "auto") { cfg.direct = LLAMA_EXPERT_DIRECT_AUTO; }
+    else if (val == "on")   { cfg.direct = LLAMA_EXPERT_DIRECT_ON; }
+    else if (val == "off")  { cfg.direct = LLAMA_EXPERT_DIRECT_OFF; }
+    else { return false; }
+    return true;
+}
+
+static bool parse_path(const std::string & val, std::string & out) {
+    if (val.empty()) {
+        return false;
+    }
+    out = val;
+    return true;
+}
+
+static bool spec_key_profile(const std::string & val, llama_expert_cache_config & cfg)     { return parse_path(val, cfg.profile); }
+static bool spec_key_profile_out(const std::string & val, llama_expert_cache_config & cfg) { return parse_path(val, cfg.profile_out); }
+static bool spec_key_stats(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.stats); }
+static bool spec_key_trace(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.trace); }
+
+static bool spec_key_trace_top(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, 65536, v) && (cfg.trace_top = (uint32_t) v, true);
+}
+
+struct spec_key {
+    const char * name;
+    bool (*parse)(const std::string & val, llama_expert_cache_config & cfg);
+    const char * accepted;
+};
+
+static const spec_key SPEC_KEYS[] = {
+#define LLAMA_EXPERT_SPEC_KEY_ROW(key, accepted) { #key, spec_key_##key, accepted },
+    LLAMA_EXPERT_SPEC_KEYS(LLAMA_EXPERT_SPEC_KEY_ROW)
+#undef LLAMA_EXPERT_SPEC_KEY_ROW
+};
+
+static const spec_key * spec_key_find(const std::string & name) {
+    for (const spec_key & k : SPEC_KEYS) {
+        if (name == k.name) {
+            return &k;
+        }
+    }
+    return nullptr;
+}
+
+// "mode, policy, rule, ...": the keys as the errors list them
+static std::string spec_key_names() {
+    std::string s;
+    for (const spec_key & k : SPEC_KEYS) {
+        s += (s.empty() ? "" : ", ") + std::string(k.name);
+    }
+    return s;
+}
+
+// the rules' names with a property (all: every rule), ", "-separated
+static std::string rule_names(bool (*has)(const llama_expert_rule & r)) {
+    std::string s;
+    for (int32_t i = 0; i < LLAMA_EXPERT_N_RULES; ++i) {
+        if (!has || has(LLAMA_EXPERT_RULES[i])) {
+            s += (s.empty() ? "" : ", ") + std::string(LLAMA_EXPERT_RULES[i].name);
+        }
+    }
+    return s;
+}
+
+// the value refused by a row's parser
+static bool bad_key_value(std::string & err, const spec_key & k, const std::string & val) {
+    const std::string accepted = k.accepted ? k.accepted : rule_names(nullptr);
+    return bad_value(err, k.name, val, accepted.c_str());
+}
+
+// a rule's own key given with another rule: "tau applies to rule=threshold (policy=quality) or rule=zero, not to
+// rule=first-choice: remove tau, or use rule=threshold"; false when no rule owns the key or the rule does
+static bool key_of_another_rule(const std::string & key, llama_expert_miss_rule rule, std::string & err) {
+    std::string owners;
+    const llama_expert_rule * first = nullptr;
+    for (int32_t i = 0; i < LLAMA_EXPERT_N_RULES; ++i) {
+        const llama_expert_rule & r = LLAMA_EXPERT_RULES[i];
+        if (llama_expert_rule_owns(r, key.c_str())) {
+            if (r.id == rule) {
+                return false;
+            }
+            owners += (owners.empty() ? "rule=" : " or rule=") + std::string(r.name) + r.shown;
+            first = first ? first : &r;
+        }
+    }
+    if (!first) {
+        return false;
+    }
+    err = key + " applies to " + owners + ", not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
+        ", or use rule=" + first->name;
     return true;
 }
 
@@ -195,7 +462,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
                 if (item == "off" || item == "emulate" || item == "engine") {
                     kv.emplace_back("mode", item); // shorthand: "off", "emulate", "engine"
                 } else {
-                    err = "'" + shown(item) + "' is not key=value (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
+                    err = "'" + shown(item) + "' is not key=value (accepted keys: " + spec_key_names() + ")";
                     return false;
                 }
             } else {
@@ -227,239 +494,27 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     // defaults when a spec is given: emulate; the preset is applied before the explicit keys
     cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE;
     for (const auto & [key, val] : kv) {
-        if (key == "policy" && !apply_preset(val, cfg, err)) {
-            return false;
+        if (key == "policy" && !spec_key_policy(val, cfg)) {
+            return bad_key_value(err, *spec_key_find(key), val);
         }
     }
 
     bool explicit_rule = false;
     bool explicit_tau  = false;
     for (const auto & [key, val] : kv) {
+        const spec_key * k = spec_key_find(key);
+        if (!k) {
+            err = "unknown key '" + shown(key) + "' (accepted keys: " + spec_key_names() + ")";
+            return false;
+        }
         if (key == "policy") {
             continue;
         }
-        if (key == "mode") {
-            if (val == "off") {
-                cfg.mode = LLAMA_EXPERT_CACHE_MODE_OFF;
-            } else if (val == "emulate") {
-                cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE;
-            } else if (val == "engine") {
-                cfg.mode = LLAMA_EXPERT_CACHE_MODE_ENGINE;
-            } else {
-                return bad_value(err, key, val, "off, emulate, engine");
-            }
-        } else if (key == "rule") {
-            if      (val == "fetch-all")      { cfg.rule = LLAMA_EXPERT_MISS_FETCH_ALL; }
-            else if (val == "threshold")      { cfg.rule = LLAMA_EXPERT_MISS_THRESHOLD; }
-            else if (val == "first-choice")   { cfg.rule = LLAMA_EXPERT_MISS_FIRST_CHOICE; }
-            else if (val == "substitute-all") { cfg.rule = LLAMA_EXPERT_MISS_SUBSTITUTE_ALL; }
-            else if (val == "drop")           { cfg.rule = LLAMA_EXPERT_MISS_DROP; }
-            else if (val == "cache-route")    { cfg.rule = LLAMA_EXPERT_MISS_CACHE_ROUTE; }
-            else if (val == "zero")           { cfg.rule = LLAMA_EXPERT_MISS_ZERO; }
-            else if (val == "ser")            { cfg.rule = LLAMA_EXPERT_MISS_SER; }
-            else if (val == "band")           { cfg.rule = LLAMA_EXPERT_MISS_BAND; }
-            else {
-                return bad_value(err, key, val, "fetch-all, threshold, first-choice, substitute-all, drop, cache-route, zero, ser, band");
-            }
-            explicit_rule = true;
-        } else if (key == "tau" || key == "tau_file") {
-            float v;
-            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
-                return bad_value(err, key, val, "a number in [0, 1]");
-            }
-            if (key == "tau") {
-                cfg.tau = v;
-                explicit_tau = true;
-            } else {
-                cfg.tau_file = v;
-            }
-        } else if (key == "j") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v > 65536) {
-                return bad_value(err, key, val, "a number of ranks in [0, k] always computed");
-            }
-            cfg.route_j = (int32_t) v;
-        } else if (key == "m") {
-            uint64_t v;
-            if (val == "auto") {
-                cfg.route_m = 0;
-            } else if (parse_uint(val, v) && v >= 1 && v <= 1000000) {
-                cfg.route_m = (int32_t) v;
-            } else {
-                return bad_value(err, key, val, "a window of router ranks in [k, n_expert], or auto (2k)");
-            }
-        } else if (key == "alpha") {
-            float v;
-            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
-                return bad_value(err, key, val, "a weight scale in [0, 1]");
-            }
-            cfg.route_alpha = v;
-        } else if (key == "kmin") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v < 1 || v > 65536) {
-                return bad_value(err, key, val, "a number of ranks in [1, k] always computed");
-            }
-            cfg.ser_kmin = (int32_t) v;
-        } else if (key == "t") {
-            float v;
-            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
-                return bad_value(err, key, val, "a ratio to the first choice's gate weight in [0, 1]");
-            }
-            cfg.ser_t = v;
-        } else if (key == "lo" || key == "hi") {
-            float v;
-            if (!parse_float(val, v) || v < 0.0f || v > 1.0f) {
-                return bad_value(err, key, val, key == "lo" ? "the band's lowest gate weight in [0, 1]"
-                                                            : "the band's upper gate weight bound in [0, 1] (1: none)");
-            }
-            (key == "lo" ? cfg.band_lo : cfg.band_hi) = v;
-        } else if (key == "renorm") {
-            if (val == "on") {
-                cfg.renorm = true;
-            } else if (val == "off") {
-                cfg.renorm = false;
-            } else {
-                return bad_value(err, key, val, "on (rescale the computed experts to the weight sum of all k) or off");
-            }
-        } else if (key == "light") {
-            if (val == "host") {
-                cfg.light_host = true;
-            } else if (val == "substitute") {
-                cfg.light_host = false;
-            } else {
-                return bad_value(err, key, val, "substitute (a resident expert computes instead) or host (the host computes the missed expert)");
-            }
-        } else if (key == "prefetch") {
-            if (val == "on") {
-                cfg.prefetch = true;
-            } else if (val == "off") {
-                cfg.prefetch = false;
-            } else {
-                return bad_value(err, key, val, "on (admit the experts the next MoE layer's router predicts, in the background) or off");
-            }
-        } else if (key == "evict") {
-            if      (val == "lfu")      { cfg.evict = LLAMA_EXPERT_EVICT_LFU; }
-            else if (val == "lru")      { cfg.evict = LLAMA_EXPERT_EVICT_LRU; }
-            else if (val == "classlru") { cfg.evict = LLAMA_EXPERT_EVICT_CLASSLRU; }
-            else {
-                return bad_value(err, key, val, "lfu, lru, classlru");
-            }
-        } else if (key == "half_life") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v < 1 || v > UINT32_MAX) {
-                return bad_value(err, key, val, "a number of tokens >= 1");
-            }
-            cfg.classlru_half_life = (uint32_t) v;
-        } else if (key == "classes") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v < 1 || v > 32) {
-                return bad_value(err, key, val, "a number of classes in [1, 32]");
-            }
-            cfg.classlru_classes = (uint32_t) v;
-        } else if (key == "admit") {
-            float v;
-            if (val == "off") {
-                cfg.admit = false;
-            } else if (val == "on") {
-                cfg.admit = true;
-            } else if (parse_float(val, v) && v > 0.0f) {
-                cfg.admit = true;
-                cfg.beta  = v;
-            } else {
-                return bad_value(err, key, val, "off, on, or a threshold beta > 0");
-            }
-        } else if (key == "halve") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v > UINT32_MAX) {
-                return bad_value(err, key, val, "a number of tokens, 0 for never");
-            }
-            cfg.lfu_halve = (uint32_t) v;
-        } else if (key == "slots" || key == "ram_slots") {
-            // the slots' residency, or (ram_slots) the RAM tier's (three tiers: slots <- RAM tier <- model file)
-            const bool ram = key == "ram_slots";
-            if (!parse_residency(val, ram ? cfg.ram_slots_count : cfg.slots_count, ram ? cfg.ram_slots_pct : cfg.slots_pct)) {
-                return bad_value(err, key, val, ram ? "a count of experts per layer, or a percentage in (0, 100] such as 50%"
-                                                    : "a count of experts per layer, or a percentage in (0, 100] such as 25%");
-            }
-        } else if (key == "ram") {
-            uint64_t v;
-            if (!parse_size(val, v) || v == 0) {
-                return bad_value(err, key, val, "a size such as 8G or 8GiB (binary), 8GB (decimal), 512M or a number of bytes");
-            }
-            cfg.ram = v;
-        } else if (key == "vram" || key == "vram_reserve") {
-            uint64_t v;
-            if (!parse_size(val, v) || (key == "vram" && v == 0)) {
-                return bad_value(err, key, val, "a size such as 24G or 24GiB (binary), 24GB (decimal), 512M or a number of bytes");
-            }
-            (key == "vram" ? cfg.vram : cfg.vram_reserve) = v;
-        } else if (key == "bypass") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v == 1 || v > INT32_MAX) {
-                return bad_value(err, key, val, "a ubatch size of at least 2 tokens, 0 for never");
-            }
-            cfg.bypass = (uint32_t) v;
-        } else if (key == "group") {
-            uint64_t v;
-            if (val == "auto") {
-                cfg.group = -1;
-            } else if (parse_uint(val, v) && v <= 65536) {
-                cfg.group = (int32_t) v;
-            } else {
-                return bad_value(err, key, val, "a ubatch size in tokens (0 or 1: one-token ubatches only), or auto");
-            }
-        } else if (key == "async") {
-            if (val == "auto") {
-                cfg.async = LLAMA_EXPERT_ASYNC_AUTO;
-            } else if (val == "off") {
-                cfg.async = LLAMA_EXPERT_ASYNC_OFF;
-            } else if (val == "thread") {
-                cfg.async = LLAMA_EXPERT_ASYNC_THREAD;
-            } else {
-                return bad_value(err, key, val, "auto (a copy stream on GPUs), off (synchronous copies) or thread (a host copy thread, for RAM banks)");
-            }
-        } else if (key == "host") {
-            if (val == "ram") {
-                cfg.host_file = false;
-            } else if (val == "file") {
-                cfg.host_file = true;
-            } else {
-                return bad_value(err, key, val, "ram (copy missed experts from the expert tensors in memory) or file (read them from the model file)");
-            }
-        } else if (key == "readers") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v < 1 || v > 64) {
-                return bad_value(err, key, val, "a number of reader threads, 1 to 64");
-            }
-            cfg.readers = (int32_t) v;
-        } else if (key == "direct") {
-            if (val == "auto") {
-                cfg.direct = LLAMA_EXPERT_DIRECT_AUTO;
-            } else if (val == "on") {
-                cfg.direct = LLAMA_EXPERT_DIRECT_ON;
-            } else if (val == "off") {
-                cfg.direct = LLAMA_EXPERT_DIRECT_OFF;
-            } else {
-                return bad_value(err, key, val, "auto (O_DIRECT reads where the file system allows them, else buffered), on (O_DIRECT or an error) or off (buffered reads)");
-            }
-        } else if (key == "profile" || key == "profile_out" || key == "stats" || key == "trace") {
-            if (val.empty()) {
-                return bad_value(err, key, val, "a file path");
-            }
-            if (key == "profile")     { cfg.profile     = val; }
-            if (key == "profile_out") { cfg.profile_out = val; }
-            if (key == "stats")       { cfg.stats       = val; }
-            if (key == "trace")       { cfg.trace       = val; }
-        } else if (key == "trace_top") {
-            uint64_t v;
-            if (!parse_uint(val, v) || v > 65536) {
-                return bad_value(err, key, val, "a count of router probabilities per token and layer");
-            }
-            cfg.trace_top = (uint32_t) v;
-        } else {
-            err = "unknown key '" + shown(key) + "' (accepted keys: " + LLAMA_EXPERT_CACHE_KEYS + ")";
-            return false;
+        if (!k->parse(val, cfg)) {
+            return bad_key_value(err, *k, val);
         }
+        explicit_rule = explicit_rule || key == "rule";
+        explicit_tau  = explicit_tau  || key == "tau";
     }
     if (explicit_rule) {
         cfg.preset = "custom";
@@ -468,18 +523,14 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         cfg.tau = 0.03f; // colibri DEGRADE_ZERO's default (policy=drop-light: its own 0.2)
     }
     const llama_expert_miss_rule rule = cfg.rule;
-    const bool rule_drops      = rule == LLAMA_EXPERT_MISS_DROP || rule == LLAMA_EXPERT_MISS_ZERO || rule == LLAMA_EXPERT_MISS_SER;
-    const bool rule_substitutes = rule == LLAMA_EXPERT_MISS_THRESHOLD || rule == LLAMA_EXPERT_MISS_FIRST_CHOICE ||
-        rule == LLAMA_EXPERT_MISS_SUBSTITUTE_ALL || rule == LLAMA_EXPERT_MISS_CACHE_ROUTE || rule == LLAMA_EXPERT_MISS_BAND;
+    const llama_expert_rule &    row  = llama_expert_rule_of(rule);
     if (rule == LLAMA_EXPERT_MISS_BAND && !(cfg.band_lo < cfg.band_hi)) {
         err = "rule=band substitutes the misses with gate weight in [lo, hi): lo (" + std::to_string(cfg.band_lo) +
             ") must be below hi (" + std::to_string(cfg.band_hi) + ")";
         return false;
     }
     for (const auto & [key, val] : kv) {
-        if (key == "tau_file" && rule != LLAMA_EXPERT_MISS_THRESHOLD) {
-            err = std::string("tau_file applies to rule=threshold (policy=quality), not to rule=") +
-                llama_expert_miss_rule_name(rule) + ": remove tau_file, or use rule=threshold";
+        if (key_of_another_rule(key, rule, err)) {
             return false;
         }
         if (key == "ram_slots" && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
@@ -490,39 +541,20 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             err = "tau_file is the threshold for misses read from the model file: it needs host=file";
             return false;
         }
-        if (key == "tau" && rule != LLAMA_EXPERT_MISS_THRESHOLD && rule != LLAMA_EXPERT_MISS_ZERO) {
-            err = std::string("tau applies to rule=threshold (policy=quality) or rule=zero, not to rule=") +
-                llama_expert_miss_rule_name(rule) + ": remove tau, or use rule=threshold";
-            return false;
-        }
-        if ((key == "j" || key == "m" || key == "alpha") && rule != LLAMA_EXPERT_MISS_CACHE_ROUTE) {
-            err = key + " applies to rule=cache-route, not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
-                ", or use rule=cache-route";
-            return false;
-        }
         if ((key == "m" || key == "alpha") && cfg.light_host) {
             err = key + " chooses and weighs substitutes, and light=host computes every light miss on the host: remove " +
                 key + ", or use light=substitute";
             return false;
         }
-        if ((key == "kmin" || key == "t") && rule != LLAMA_EXPERT_MISS_SER) {
-            err = key + " applies to rule=ser, not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
-                ", or use rule=ser";
+        if (key == "renorm" && !row.drops) {
+            err = "renorm applies to the rules that drop (" + rule_names([](const llama_expert_rule & r) { return r.drops; }) +
+                "), not to rule=" + row.name + ": remove renorm";
             return false;
         }
-        if ((key == "lo" || key == "hi") && rule != LLAMA_EXPERT_MISS_BAND) {
-            err = key + " applies to rule=band, not to rule=" + llama_expert_miss_rule_name(rule) + ": remove " + key +
-                ", or use rule=band";
-            return false;
-        }
-        if (key == "renorm" && !rule_drops) {
-            err = std::string("renorm applies to the rules that drop (drop, zero, ser), not to rule=") +
-                llama_expert_miss_rule_name(rule) + ": remove renorm";
-            return false;
-        }
-        if (key == "light" && !rule_substitutes) {
-            err = std::string("light applies to the rules that substitute (threshold, first-choice, substitute-all, "
-                "cache-route, band), not to rule=") + llama_expert_miss_rule_name(rule) + ": remove light";
+        if (key == "light" && !row.substitutes) {
+            err = "light applies to the rules that substitute (" +
+                rule_names([](const llama_expert_rule & r) { return r.substitutes; }) + "), not to rule=" + row.name +
+                ": remove light";
             return false;
         }
         if ((key == "half_life" || key == "classes") && cfg.evict != LLAMA_EXPERT_EVICT_CLASSLRU) {
@@ -582,6 +614,9 @@ bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, in
                 ("a window of router ranks in [" + ks + ", " + es + "] (the experts used per token, the experts per layer), or auto").c_str());
         }
     }
+    if (cfg.rule == LLAMA_EXPERT_MISS_BAND && cfg.band_min_rank > k) {
+        return bad_value(err, "min_rank", std::to_string(cfg.band_min_rank), ("a rank in [0, " + ks + "], the experts used per token").c_str());
+    }
     if (cfg.rule == LLAMA_EXPERT_MISS_SER && cfg.ser_kmin > k) {
         return bad_value(err, "kmin", std::to_string(cfg.ser_kmin), ("a number of ranks in [1, " + ks + "], the experts used per token").c_str());
     }
@@ -594,16 +629,8 @@ bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, in
 }
 
 bool llama_expert_cache_config_scales_weights(const llama_expert_cache_config & cfg) {
-    switch (cfg.rule) {
-        case LLAMA_EXPERT_MISS_DROP:
-        case LLAMA_EXPERT_MISS_ZERO:
-        case LLAMA_EXPERT_MISS_SER:
-            return true;
-        case LLAMA_EXPERT_MISS_CACHE_ROUTE:
-            return cfg.route_alpha != 1.0f;
-        default:
-            return false;
-    }
+    const llama_expert_rule & r = llama_expert_rule_of(cfg.rule);
+    return r.drops || (r.windowed && cfg.route_alpha != 1.0f);
 }
 
 int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
@@ -615,4 +642,73 @@ int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & 
 
 int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg, int32_t n_expert) {
     return residency_n(cfg.slots_count, cfg.slots_pct, n_expert);
+}
+
+llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_config & cfg) {
+    llama_expert_params p;
+    p.rule               = cfg.rule;
+    p.tau                = cfg.tau;
+    p.tau_file           = cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau;
+    p.host_file          = cfg.host_file;
+    p.evict              = cfg.evict;
+    p.admit              = cfg.admit;
+    p.beta               = cfg.beta;
+    p.lfu_halve          = cfg.lfu_halve;
+    p.classlru_half_life = cfg.classlru_half_life;
+    p.classlru_classes   = cfg.classlru_classes;
+    p.route_j            = cfg.route_j;
+    p.route_m            = cfg.route_m;
+    p.route_alpha        = cfg.route_alpha;
+    p.ser_kmin           = cfg.ser_kmin;
+    p.ser_t              = cfg.ser_t;
+    p.band_lo            = cfg.band_lo;
+    p.band_hi            = cfg.band_hi;
+    p.band_min_rank      = cfg.band_min_rank;
+    p.renorm             = cfg.renorm;
+    p.light_host         = cfg.light_host;
+    p.prefetch           = cfg.prefetch;
+    return p;
+}
+
+//
+// the statistics' "config" block, from LLAMA_EXPERT_CONFIG_FIELDS
+//
+
+std::string llama_expert_json_str(const std::string & s) {
+    std::string o = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') {
+            o += '\\'; o += c;
+        } else if ((unsigned char) c < 0x20) {
+            char buf[8];
+            snprintf(buf, sizeof(buf), "\\u%04x", c);
+            o += buf;
+        } else {
+            o += c;
+        }
+    }
+    return o + "\"";
+}
+
+static std::string config_value_STR(const std::string & v) { return llama_expert_json_str(v); }
+static std::string config_value_NAME(const char * v)       { return std::string("\"") + v + "\""; }
+static std::string config_value_BOOL(bool v)               { return v ? "true" : "false"; }
+static std::string config_value_INT(int32_t v)             { return std::to_string(v); }
+static std::string config_value_UINT(uint32_t v)           { return std::to_string(v); }
+static std::string config_value_FLOAT(float v) {
+    char buf[32];
+    snprintf(buf, sizeof(buf), "%.9g", v);
+    return buf;
+}
+
+std::string llama_expert_cache_config_json(const llama_expert_cache_config & cfg, int32_t n_expert, int32_t k,
+                                           int32_t n_slots, const char * indent) {
+    const llama_expert_params par = llama_expert_cache_config_params(cfg);
+    (void) par;
+    std::string s;
+#define LLAMA_EXPERT_CONFIG_FIELD_JSON(field, type, value) \
+    s += std::string(s.empty() ? "" : ",\n") + indent + "\"" #field "\": " + config_value_##type(value);
+    LLAMA_EXPERT_CONFIG_FIELDS(LLAMA_EXPERT_CONFIG_FIELD_JSON)
+#undef LLAMA_EXPERT_CONFIG_FIELD_JSON
+    return s + "\n";
 }

@@ -1,12 +1,61 @@
 #pragma once
 
 // The expert cache's configuration (moe-subst): one spec string ("mode=emulate,policy=quality,slots=25%"), parsed in
-// one place into llama_expert_cache_config, and the checks that need the model (k, experts per layer).
+// one place into llama_expert_cache_config, the checks that need the model (k, experts per layer), and the
+// parameters a layer's policy decides with, resolved once (llama_expert_params).
+//
+// Two tables (tests/test_tables.py reads both; docs/extending.md says how to add a row):
+//   - LLAMA_EXPERT_SPEC_KEYS: the spec keys, each with the values it accepts as an error names them; the parser
+//     dispatches on it (a key's parser is spec_key_<key> in llama-expert-spec.cpp) and the "unknown key" error
+//     lists it.
+//   - LLAMA_EXPERT_CONFIG_FIELDS: the statistics' "config" block, in file order.
 
 #include "llama-expert-rules.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+
+// X(key, accepted): every key of the spec, in the order the "unknown key" error lists them. accepted: nullptr for
+// rule (the rule table's names)
+#define LLAMA_EXPERT_SPEC_KEYS(X) \
+    X(mode,         "off, emulate, engine") \
+    X(policy,       "quality, speed, fetch-all, drop-light") \
+    X(rule,         nullptr) \
+    X(tau,          "a number in [0, 1]") \
+    X(tau_file,     "a number in [0, 1]") \
+    X(j,            "a number of ranks in [0, k] always computed") \
+    X(m,            "a window of router ranks in [k, n_expert], or auto (2k)") \
+    X(alpha,        "a weight scale in [0, 1]") \
+    X(kmin,         "a number of ranks in [1, k] always computed") \
+    X(t,            "a ratio to the first choice's gate weight in [0, 1]") \
+    X(lo,           "the band's lowest gate weight in [0, 1]") \
+    X(hi,           "the band's upper gate weight bound in [0, 1] (1: none)") \
+    X(min_rank,     "the first rank the band substitutes at, in [0, k] (0: any rank; 1: never the first choice)") \
+    X(renorm,       "on (rescale the computed experts to the weight sum of all k) or off") \
+    X(light,        "substitute (a resident expert computes instead) or host (the host computes the missed expert)") \
+    X(evict,        "lfu, lru, classlru") \
+    X(admit,        "off, on, or a threshold beta > 0") \
+    X(halve,        "a number of tokens, 0 for never") \
+    X(half_life,    "a number of tokens >= 1") \
+    X(classes,      "a number of classes in [1, 32]") \
+    X(slots,        "a count of experts per layer, or a percentage in (0, 100] such as 25%") \
+    X(ram_slots,    "a count of experts per layer, or a percentage in (0, 100] such as 50%") \
+    X(vram,         "a size such as 24G or 24GiB (binary), 24GB (decimal), 512M or a number of bytes") \
+    X(vram_reserve, "a size such as 24G or 24GiB (binary), 24GB (decimal), 512M or a number of bytes") \
+    X(ram,          "a size such as 8G or 8GiB (binary), 8GB (decimal), 512M or a number of bytes") \
+    X(bypass,       "a ubatch size of at least 2 tokens, 0 for never") \
+    X(group,        "a ubatch size in tokens (0 or 1: one-token ubatches only), or auto") \
+    X(async,        "auto (a copy stream on GPUs), off (synchronous copies) or thread (a host copy thread, for RAM banks)") \
+    X(host,         "ram (copy missed experts from the expert tensors in memory) or file (read them from the model file)") \
+    X(readers,      "a number of reader threads, 1 to 64") \
+    X(direct,       "auto (O_DIRECT reads where the file system allows them, else buffered), on (O_DIRECT or an error) or off (buffered reads)") \
+    X(prefetch,     "on (admit the experts the next MoE layer's router predicts, in the background) or off") \
+    X(profile,      "a file path") \
+    X(profile_out,  "a file path") \
+    X(stats,        "a file path") \
+    X(trace,        "a file path") \
+    X(trace_top,    "a count of router probabilities per token and layer")
 
 enum llama_expert_cache_mode {
     LLAMA_EXPERT_CACHE_MODE_OFF     = 0,
@@ -67,8 +116,9 @@ struct llama_expert_cache_config {
     float   ser_t    = 0.1f;
 
     // rule=band: substitute a miss with gate weight in [band_lo, band_hi) (band_hi = 1: no upper bound)
-    float band_lo = 0.0f;
-    float band_hi = 1.0f;
+    float   band_lo       = 0.0f;
+    float   band_hi       = 1.0f;
+    int32_t band_min_rank = 0; // ranks below it are fetched on a miss (1: the first choice is never substituted)
 
     // rules that drop (drop, zero, ser): rescale the computed selections to the weight sum of all k (renorm=on)
     bool renorm = false;
@@ -127,6 +177,77 @@ struct llama_expert_cache_config {
     std::string trace;       // write a binary router trace
     uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
 };
+
+// The parameters a layer's policy decides with, resolved once from the configuration: the rule's verdicts read
+// them (llama-expert-rules.h), every layer policy holds one copy.
+struct llama_expert_params {
+    llama_expert_miss_rule rule = LLAMA_EXPERT_MISS_FETCH_ALL;
+    // rule=threshold: the threshold for a miss copied from memory (host=ram, or held by the RAM tier), and for a miss
+    // read from the model file (host=file: tau_file, or tau when not given); rule=zero: tau
+    float    tau      = 0.15f;
+    float    tau_file = 0.15f;
+    bool     host_file = false;
+    llama_expert_evict evict = LLAMA_EXPERT_EVICT_LRU;
+    bool     admit = false;
+    float    beta  = 0.5f;
+    uint32_t lfu_halve          = 1024;
+    uint32_t classlru_half_life = 128;
+    uint32_t classlru_classes   = 8;
+    int32_t  route_j     = 1;
+    int32_t  route_m     = 0; // 0: 2k
+    float    route_alpha = 1.0f;
+    int32_t  ser_kmin    = 1;
+    float    ser_t       = 0.1f;
+    float    band_lo       = 0.0f;
+    float    band_hi       = 1.0f;
+    int32_t  band_min_rank = 0;
+    bool     renorm     = false;
+    bool     light_host = false;
+    bool     prefetch   = false;
+};
+
+llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_config & cfg);
+
+// X(field, type, value): the statistics' "config" block, in file order. type: STR (a JSON string), NAME (a C string
+// without quotes to escape), FLOAT, INT, UINT, BOOL; value: an expression over cfg, par (the resolved parameters),
+// n_expert, k (experts used per token) and n_slots
+#define LLAMA_EXPERT_CONFIG_FIELDS(X) \
+    X(spec,               STR,   cfg.spec) \
+    X(mode,               NAME,  llama_expert_cache_mode_name(cfg.mode)) \
+    X(policy,             NAME,  cfg.preset.c_str()) \
+    X(rule,               NAME,  llama_expert_miss_rule_name(cfg.rule)) \
+    X(tau,                FLOAT, cfg.tau) \
+    X(host,               NAME,  cfg.host_file ? "file" : "ram") \
+    X(tau_file,           FLOAT, par.tau_file) \
+    X(ram_slots,          INT,   llama_expert_cache_config_n_ram_slots(cfg, n_expert)) \
+    X(evict,              NAME,  llama_expert_evict_name(cfg.evict)) \
+    X(admit,              BOOL,  cfg.admit) \
+    X(beta,               FLOAT, cfg.beta) \
+    X(lfu_halve,          UINT,  cfg.lfu_halve) \
+    X(classlru_half_life, UINT,  cfg.classlru_half_life) \
+    X(classlru_classes,   UINT,  cfg.classlru_classes) \
+    X(route_j,            INT,   cfg.route_j) \
+    X(route_m,            INT,   cfg.route_m > 0 ? cfg.route_m : std::min(n_expert, 2*k)) \
+    X(route_alpha,        FLOAT, cfg.route_alpha) \
+    X(ser_kmin,           INT,   cfg.ser_kmin) \
+    X(ser_t,              FLOAT, cfg.ser_t) \
+    X(band_lo,            FLOAT, cfg.band_lo) \
+    X(band_hi,            FLOAT, cfg.band_hi) \
+    X(band_min_rank,      INT,   cfg.band_min_rank) \
+    X(renorm,             BOOL,  cfg.renorm) \
+    X(light,              NAME,  cfg.light_host ? "host" : "substitute") \
+    X(prefetch,           BOOL,  cfg.prefetch) \
+    X(slots,              INT,   n_slots) \
+    X(n_expert,           INT,   n_expert) \
+    X(n_expert_used,      INT,   k) \
+    X(profile,            STR,   cfg.profile)
+
+// The "config" block's members, one per line with `indent` before each (no braces)
+std::string llama_expert_cache_config_json(const llama_expert_cache_config & cfg, int32_t n_expert, int32_t k,
+                                           int32_t n_slots, const char * indent);
+
+// A string as a JSON string (quotes, escapes)
+std::string llama_expert_json_str(const std::string & s);
 
 // Parse a spec such as "mode=emulate,policy=quality,slots=25%".
 // Returns false and sets err (naming the bad key and the accepted values) on error.

@@ -461,6 +461,64 @@ static void test_band() {
     }
 }
 
+// rule=band with min_rank=1 (the row's own key, added through the rule and key tables only): a miss at a rank below
+// min_rank is fetched whatever its weight, the band applies from min_rank on, so that Experiment B can tell a band of
+// weights apart from the first choice
+static void test_band_min_rank() {
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("rule=band,lo=0.3,min_rank=1", cfg, err) && cfg.band_min_rank == 1);
+    CHECK(llama_expert_cache_config_parse("rule=band", cfg, err) && cfg.band_min_rank == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=threshold,min_rank=1", cfg, err) &&
+          err == "min_rank applies to rule=band, not to rule=threshold: remove min_rank, or use rule=band");
+    CHECK(!llama_expert_cache_config_parse("rule=band,min_rank=x", cfg, err) && err.find("for key 'min_rank'") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("rule=band,min_rank=5", cfg, err) && !llama_expert_cache_config_check_k(cfg, 4, 16, err) &&
+          err.find("bad value '5' for key 'min_rank' (accepted: a rank in [0, 4]") == 0);
+    CHECK(llama_expert_cache_config_parse("rule=band,min_rank=4", cfg, err) && llama_expert_cache_config_check_k(cfg, 4, 16, err));
+
+    // the verdict alone: pure, from the table's row
+    const llama_expert_rule & row = llama_expert_rule_of(LLAMA_EXPERT_MISS_BAND);
+    CHECK(std::string(row.name) == "band" && llama_expert_rule_owns(row, "min_rank") && !llama_expert_rule_owns(row, "tau"));
+    CHECK(llama_expert_cache_config_parse("rule=band,lo=0.3,min_rank=1", cfg, err));
+    const llama_expert_params par = llama_expert_cache_config_params(cfg);
+    CHECK(llama_expert_rule_verdict(row, 0, 0.5f, false, par) == LLAMA_EXPERT_VERDICT_FETCH);
+    CHECK(llama_expert_rule_verdict(row, 1, 0.5f, false, par) == LLAMA_EXPERT_VERDICT_SUBSTITUTE);
+    CHECK(llama_expert_rule_verdict(row, 1, 0.2f, false, par) == LLAMA_EXPERT_VERDICT_FETCH);
+    CHECK(llama_expert_rule_describe(row, par, 4, 16) ==
+          "band: misses with gate weight in [0.300, 1]) substituted at ranks >= 1, the others fetched");
+
+    // the same misses as test_band's heavy band: rank 0 (0.5) is now fetched, rank 1 (0.3) still substituted
+    std::vector<float> scores(16, 0.0f);
+    scores[5] = 2.0f; scores[6] = 1.0f;
+    const std::vector<int32_t> ids = { 10, 11, 12, 13 };
+    const std::vector<float>   w   = { 0.5f, 0.3f, 0.15f, 0.05f };
+    llama_expert_layer_policy p;
+    p.init(16, 8, cfg_of("rule=band,lo=0.3,min_rank=1,evict=lru,slots=8"));
+    auto r = step(p, ids, w, scores);
+    CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.out[0] == 10);
+    CHECK(r.act[1] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[1] == 5);
+    CHECK(r.act[2] == LLAMA_EXPERT_ACTION_FETCH && r.act[3] == LLAMA_EXPERT_ACTION_FETCH);
+    CHECK(p.stats.substitutions == 1 && p.stats.subst_first_choice == 0 && p.stats.fetches == 3);
+}
+
+// the rule table: a row per enum value, in enum order, names unique; the spec's rule list is the table's
+static void test_rule_table() {
+    CHECK(LLAMA_EXPERT_N_RULES == LLAMA_EXPERT_MISS_BAND + 1);
+    for (int32_t i = 0; i < LLAMA_EXPERT_N_RULES; ++i) {
+        const llama_expert_rule & r = LLAMA_EXPERT_RULES[i];
+        CHECK(r.id == (llama_expert_miss_rule) i && r.miss != nullptr);
+        CHECK(&llama_expert_rule_of(r.id) == &r && llama_expert_rule_find(r.name) == &r);
+        llama_expert_cache_config cfg;
+        std::string err;
+        CHECK(llama_expert_cache_config_parse(std::string("rule=") + r.name, cfg, err) && cfg.rule == r.id);
+        CHECK(llama_expert_cache_config_scales_weights(cfg) == r.drops);
+        for (int32_t j = 0; j < i; ++j) {
+            CHECK(std::string(LLAMA_EXPERT_RULES[j].name) != r.name);
+        }
+    }
+    CHECK(llama_expert_rule_find("bands") == nullptr);
+}
+
 // light=host with a threshold rule: the light miss is computed on the host, and counts toward admission
 static void test_light_host() {
     std::vector<float> scores(16, 0.0f);
@@ -838,7 +896,7 @@ static void test_prefetch() {
         // LRU, k = 1, resident 0, 1, 2
         llama_expert_layer_policy p;
         p.init(6, 3, cfg_of("rule=fetch-all,evict=lru,slots=3,prefetch=on"));
-        CHECK(p.prefetch);
+        CHECK(p.params().prefetch);
         for (int e : { 0, 1, 2 }) {
             step(p, { e }, { 1.0f }, scores);
         }
@@ -918,6 +976,8 @@ int main() {
     test_zero();
     test_ser();
     test_band();
+    test_band_min_rank();
+    test_rule_table();
     test_light_host();
     test_classlru();
     test_admission();

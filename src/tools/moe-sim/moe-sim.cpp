@@ -274,7 +274,7 @@ static void moe_sim_replay_layer(const moe_sim_trace & tr, uint32_t il, llama_ex
         for (uint32_t j = 0; j < tr.top_m; ++j) {
             scores[top[j]] = top_s[j];
         }
-        if (pol.prefetch) {
+        if (pol.params().prefetch) {
             // the prediction the previous MoE layer made for this token-layer, admitted before the decision
             pol.prefetch_experts((const int32_t *) (rec + tr.off_pred()), (int32_t) k);
         }
