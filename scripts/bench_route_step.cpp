@@ -14,7 +14,7 @@
 // host.
 
 #include "llama.h"
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 #include "llama-model.h"
 
 #include "ggml.h"
@@ -58,7 +58,7 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "bad spec: %s\n", err.c_str());
         return 1;
     }
-    llama_expert_cache cache(cfg, *model);
+    llama_expert_cache_impl cache(cfg, *model);
     const int E = cache.n_expert;
     const int k = cache.n_used;
     int il = 0;

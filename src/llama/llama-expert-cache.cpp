@@ -1,5 +1,7 @@
 #include "llama-expert-cache.h"
 
+#include "llama-expert-cache-impl.h"
+
 #include "llama-expert-profile.h"
 
 #include "llama-adapter.h"
@@ -23,13 +25,44 @@
 #include <unistd.h>
 
 //
+// the hooks (llama-expert-cache.h): the handle forwards to the cache
+//
+
+llama_expert_cache::llama_expert_cache(std::unique_ptr<llama_expert_cache_impl> impl_) : impl(std::move(impl_)) {}
+
+llama_expert_cache::~llama_expert_cache() = default;
+
+std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory) {
+    auto impl = llama_expert_cache_impl::from_env(model, memory);
+    return impl ? std::make_unique<llama_expert_cache>(std::move(impl)) : nullptr;
+}
+
+void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits,
+        ggml_tensor * exp_probs_b, llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected,
+        ggml_tensor *& weights, std::initializer_list<ggml_tensor **> expert_tensors) {
+    impl->build_moe_ffn_route(g, il, logits, exp_probs_b, gating, norm_w, selected, weights, expert_tensors);
+}
+
+void llama_expert_cache::memory_breakdown_add(llama_memory_breakdown & ret) const {
+    impl->memory_breakdown_add(ret);
+}
+
+void llama_expert_cache::chain_abort_callback(bool (*&cb)(void * data), void *& data) {
+    impl->chain_abort_callback(cb, data);
+}
+
+void llama_expert_cache::reset() {
+    impl->reset();
+}
+
+//
 // construction
 //
 
-static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
+static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
         const char * spec);
 
-std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory) {
+std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory) {
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
         return nullptr;
@@ -49,7 +82,7 @@ std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_mod
     return expert_cache_create(model, memory, spec);
 }
 
-static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
+static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
         const char * spec) {
     llama_expert_cache_config cfg;
     std::string err;
@@ -67,10 +100,10 @@ static std::unique_ptr<llama_expert_cache> expert_cache_create(const llama_model
     if (memory) {
         ctx_mem = memory->memory_breakdown();
     }
-    return std::make_unique<llama_expert_cache>(cfg, model, ctx_mem);
+    return std::make_unique<llama_expert_cache_impl>(cfg, model, ctx_mem);
 }
 
-llama_expert_cache::llama_expert_cache(const llama_expert_cache_config & cfg_, const llama_model & model,
+llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config & cfg_, const llama_model & model,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_), model(&model) {
     const auto & hparams = model.hparams;
     const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
@@ -258,7 +291,7 @@ static void expert_cache_write_failed(const std::string & spec, const char * key
     g_expert_cache_write_failed = true;
 }
 
-llama_expert_cache::~llama_expert_cache() {
+llama_expert_cache_impl::~llama_expert_cache_impl() {
     if (dry_run) {
         return;
     }
@@ -295,7 +328,7 @@ llama_expert_cache::~llama_expert_cache() {
     }
 }
 
-void llama_expert_cache::reset() {
+void llama_expert_cache_impl::reset() {
     if (engine) {
         // no copy in flight or deferred past this point
         for (auto & L : layers) {
@@ -331,14 +364,14 @@ void llama_expert_cache::reset() {
 }
 
 //
-void llama_expert_cache::chain_abort_callback(bool (*&cb)(void * data), void *& data) {
+void llama_expert_cache_impl::chain_abort_callback(bool (*&cb)(void * data), void *& data) {
     if (!engine || engine->files.empty()) {
         return;
     }
     user_abort      = cb;
     user_abort_data = data;
     cb = [](void * p) {
-        const auto * cache = (const llama_expert_cache *) p;
+        const auto * cache = (const llama_expert_cache_impl *) p;
         if (cache->engine->failed()) {
             return true; // the read's failure was logged where it happened
         }
@@ -347,7 +380,7 @@ void llama_expert_cache::chain_abort_callback(bool (*&cb)(void * data), void *& 
     data = this;
 }
 
-void llama_expert_cache::memory_breakdown_add(llama_memory_breakdown & ret) const {
+void llama_expert_cache_impl::memory_breakdown_add(llama_memory_breakdown & ret) const {
     if (!engine) {
         return;
     }
@@ -356,15 +389,15 @@ void llama_expert_cache::memory_breakdown_add(llama_memory_breakdown & ret) cons
     }
 }
 
-bool llama_expert_cache::grouped(int64_t n_tokens) const {
+bool llama_expert_cache_impl::grouped(int64_t n_tokens) const {
     return n_tokens > 1 && n_tokens <= group_max;
 }
 
-bool llama_expert_cache::banked(const ggml_tensor * route) const {
+bool llama_expert_cache_impl::banked(const ggml_tensor * route) const {
     return engine != nullptr && (route->ne[1] == 1 || grouped(route->ne[1]));
 }
 
-ggml_tensor * llama_expert_cache::bank(int il, ggml_tensor * src) const {
+ggml_tensor * llama_expert_cache_impl::bank(int il, ggml_tensor * src) const {
     GGML_ASSERT(engine);
     return engine->bank(il, src);
 }

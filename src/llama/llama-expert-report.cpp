@@ -1,4 +1,4 @@
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 
 #include "llama-impl.h"
 
@@ -9,7 +9,7 @@
 // statistics
 //
 
-llama_expert_engine_stats llama_expert_cache::engine_total() const {
+llama_expert_engine_stats llama_expert_cache_impl::engine_total() const {
     GGML_ASSERT(engine);
     auto e = engine->total();
     for (const auto & L : layers) {
@@ -22,7 +22,7 @@ llama_expert_engine_stats llama_expert_cache::engine_total() const {
     return e;
 }
 
-llama_expert_policy_stats llama_expert_cache::total() const {
+llama_expert_policy_stats llama_expert_cache_impl::total() const {
     llama_expert_policy_stats t;
     for (const auto & L : layers) {
         if (L->moe) {
@@ -36,7 +36,7 @@ static double ratio(uint64_t a, uint64_t b) {
     return b ? (double) a / (double) b : 0.0;
 }
 
-void llama_expert_cache::print_stats() const {
+void llama_expert_cache_impl::print_stats() const {
     const auto t = total();
     uint64_t route_ns = 0, route_tokens = 0;
     for (const auto & L : layers) {
@@ -93,7 +93,7 @@ static void write_stats_obj(FILE * f, const llama_expert_policy_stats & s, uint6
     fprintf(f, "]\n");
 }
 
-bool llama_expert_cache::write_stats(const std::string & path) const {
+bool llama_expert_cache_impl::write_stats(const std::string & path) const {
     FILE * f = fopen(path.c_str(), "w");
     if (!f) {
         return false;

@@ -1,4 +1,4 @@
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 
 #include "llama-graph.h"
 #include "llama-impl.h"
@@ -361,7 +361,7 @@ static void llama_expert_cache_spare(ggml_tensor * dst, int ith, int nth, void *
     std::fill((int32_t *) dst->data, (int32_t *) dst->data + ggml_nelements(dst), spare);
 }
 
-ggml_tensor * llama_expert_cache::build_route(
+ggml_tensor * llama_expert_cache_impl::build_route(
         ggml_context * ctx,
         ggml_tensor  * ids,
         ggml_tensor  * logits,
@@ -451,7 +451,7 @@ ggml_tensor * llama_expert_cache::build_route(
     return route;
 }
 
-void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits,
+void llama_expert_cache_impl::build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits,
         ggml_tensor * exp_probs_b, llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected,
         ggml_tensor *& weights, std::initializer_list<ggml_tensor **> expert_tensors) {
     ggml_tensor * keep  = nullptr;
@@ -514,7 +514,7 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
     }
 }
 
-ggml_tensor * llama_expert_cache::build_prediction(const llm_graph_context & g, int il, ggml_tensor * logits,
+ggml_tensor * llama_expert_cache_impl::build_prediction(const llm_graph_context & g, int il, ggml_tensor * logits,
         ggml_tensor ** pred_bias) {
     *pred_bias = nullptr;
     if (il < 0 || il >= n_layer || !layers[il]->moe || layers[il]->next_moe < 0 || logits == nullptr) {

@@ -1,4 +1,4 @@
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 
 #include <algorithm>
 #include <cstring>
@@ -22,7 +22,7 @@
 //   int32    pred[k]       version 2: the experts the previous MoE layer predicted for this token-layer (its
 //                          input through this layer's router, top k), -1 where there was no prediction
 
-void llama_expert_cache::trace_open() {
+void llama_expert_cache_impl::trace_open() {
     trace = fopen(cfg.trace.c_str(), "wb");
     if (!trace) {
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + ": cannot open the trace file '" + cfg.trace + "'");
@@ -37,7 +37,7 @@ void llama_expert_cache::trace_open() {
     fwrite(hdr, sizeof(hdr), 1, trace);
 }
 
-void llama_expert_cache::trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
+void llama_expert_cache_impl::trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
                                      const int32_t * out, const uint8_t * act, const float * scores, const int32_t * pred) {
     const int32_t k = n_used;
     uint32_t head[2] = { (uint32_t) L.il, token };

@@ -2,7 +2,7 @@
 //
 // The engine (LLAMA_MOE_CACHE=...,trace=PATH) records, per token and MoE layer, the selected experts, their
 // normalised gate weights and the router's top scores. This tool feeds those records, in the order the
-// engine decided them, to the engine's own expert cache (llama_expert_cache: the same configuration parser,
+// engine decided them, to the engine's own expert cache (llama_expert_cache_impl: the same configuration parser,
 // slot checks, initial residency and profile handling, the same residency policy and the same statistics
 // writer), configured by another spec, so that a policy sweep needs no model run and simulator and engine
 // cannot disagree. Only the gating arithmetic of the route step is skipped: the trace holds its result.
@@ -13,7 +13,7 @@
 // trace_top = n_expert; otherwise only the choice among low-scoring substitutes can differ. (The engine ranks
 // by logit, the trace holds probabilities: the same order, unless two probabilities round to the same float.)
 
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 #include "llama-expert-policy.h"
 #include "llama-model.h"
 
@@ -222,7 +222,7 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
     return true;
 }
 
-// A stand-in model for llama_expert_cache: only the hyperparameters the cache reads (layers, experts,
+// A stand-in model for llama_expert_cache_impl: only the hyperparameters the cache reads (layers, experts,
 // experts per token) and which layers have routed experts (those that have records in the trace).
 static std::unique_ptr<llama_model> moe_sim_model_make(const moe_sim_trace & tr) {
     static ggml_tensor present = {}; // marks a layer with routed experts; never read
@@ -295,7 +295,7 @@ static void moe_sim_replay_layer(const moe_sim_trace & tr, uint32_t il, llama_ex
 
 // One replay of the whole trace. Layers are independent (each has its own policy state), so they are
 // shared out to n_threads threads.
-static void moe_sim_replay(const moe_sim_trace & tr, llama_expert_cache & cache, int n_threads, moe_sim_verify * verify) {
+static void moe_sim_replay(const moe_sim_trace & tr, llama_expert_cache_impl & cache, int n_threads, moe_sim_verify * verify) {
     std::vector<uint32_t> todo;
     for (uint32_t il = 0; il < tr.n_layer; ++il) {
         if (tr.layer_records[il] > 0) {
@@ -494,10 +494,10 @@ int main(int argc, char ** argv) {
     cfg.stats.clear(); // written below, where a failure sets the exit code
 
     std::unique_ptr<llama_model>        model;
-    std::unique_ptr<llama_expert_cache> cache;
+    std::unique_ptr<llama_expert_cache_impl> cache;
     try {
         model = moe_sim_model_make(tr);
-        cache = std::make_unique<llama_expert_cache>(cfg, *model);
+        cache = std::make_unique<llama_expert_cache_impl>(cfg, *model);
     } catch (const std::exception & e) {
         // the engine's messages are prefixed with LLAMA_MOE_CACHE='spec'
         std::fprintf(stderr, "llama-moe-sim: error: %s\n", e.what());
