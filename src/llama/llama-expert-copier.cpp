@@ -1,5 +1,10 @@
 #include "llama-expert-copier.h"
 
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -7,7 +12,34 @@
 #include <thread>
 #include <vector>
 
+bool llama_expert_transfer_run(const llama_expert_transfer & t) {
+    switch (t.source) {
+        case LLAMA_EXPERT_FROM_MEMORY:
+            ggml_backend_tensor_set(t.bank, t.src, t.offset, t.size);
+            return true;
+        case LLAMA_EXPERT_FROM_FILE:
+            return llama_expert_read_file(t.bank, *t.file, t.file_off, t.offset, t.size, t.name); // a failure marks the file
+        case LLAMA_EXPERT_THROUGH_RAM:
+            if (!llama_expert_read_file(t.ram, *t.file, t.file_off, t.ram_offset, t.size, t.name)) {
+                return false;
+            }
+            ggml_backend_tensor_set(t.bank, (const char *) t.ram->data + t.ram_offset, t.offset, t.size);
+            return true;
+    }
+    return false;
+}
+
 namespace {
+
+// every transfer at once, in the calling thread
+struct copier_sync : llama_expert_copier {
+    void submit(int32_t, bool, const llama_expert_transfer & t) override { (void) llama_expert_transfer_run(t); }
+    void record(int32_t) override {}
+    void wait(int32_t) override {}
+    void wait_all() override {}
+    const char * name() const override { return "synchronous copies"; }
+    bool async() const override { return false; }
+};
 
 // a second backend instance of the device: copies on its own stream, one event per mark
 struct copier_backend : llama_expert_copier {
@@ -28,14 +60,21 @@ struct copier_backend : llama_expert_copier {
             ggml_backend_free(backend);
         }
     }
-    void copy(int32_t, bool, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
-        ggml_backend_tensor_set_async(backend, bank, src, offset, size);
-    }
-    // three tiers: the read into the RAM tier (pinned memory) is synchronous, its copy to the device asynchronous
-    void read_through(int32_t, bool, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off, size_t ram_offset,
-                      size_t size, const char * name, ggml_tensor * bank, size_t offset) override {
-        if (llama_expert_read_file(ram, f, file_off, ram_offset, size, name)) { // a failure marks the file
-            ggml_backend_tensor_set_async(backend, bank, (const char *) ram->data + ram_offset, offset, size);
+    // a copy from memory is asynchronous; a read from the file is synchronous, and so is the read into the RAM tier
+    // (pinned memory) of a transfer through it, whose copy to the device is asynchronous
+    void submit(int32_t, bool, const llama_expert_transfer & t) override {
+        switch (t.source) {
+            case LLAMA_EXPERT_FROM_MEMORY:
+                ggml_backend_tensor_set_async(backend, t.bank, t.src, t.offset, t.size);
+                break;
+            case LLAMA_EXPERT_FROM_FILE:
+                (void) llama_expert_transfer_run(t); // a failure marks the file
+                break;
+            case LLAMA_EXPERT_THROUGH_RAM:
+                if (llama_expert_read_file(t.ram, *t.file, t.file_off, t.ram_offset, t.size, t.name)) { // a failure marks the file
+                    ggml_backend_tensor_set_async(backend, t.bank, (const char *) t.ram->data + t.ram_offset, t.offset, t.size);
+                }
+                break;
         }
     }
     void record(int32_t m) override {
@@ -59,16 +98,8 @@ struct copier_backend : llama_expert_copier {
 // issued under it that have not completed
 struct copier_thread : llama_expert_copier {
     struct job {
-        int32_t             mark;
-        ggml_tensor *       bank;
-        const void *        src;
-        size_t              offset;
-        size_t              size;
-        llama_expert_file * file     = nullptr; // host=file: read from the model file instead of src
-        uint64_t            file_off = 0;
-        const char *        name     = nullptr;
-        ggml_tensor *       then_bank   = nullptr; // three tiers: then copy the bytes read into this bank
-        size_t              then_offset = 0;
+        int32_t               mark;
+        llama_expert_transfer t;
     };
     std::mutex               mtx;
     std::condition_variable  cv_job;
@@ -110,14 +141,7 @@ struct copier_thread : llama_expert_copier {
             if (delay_us > 0) {
                 std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
             }
-            if (j.file != nullptr) {
-                // a failure marks the file
-                if (llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name) && j.then_bank) {
-                    ggml_backend_tensor_set(j.then_bank, (const char *) j.bank->data + j.offset, j.then_offset, j.size);
-                }
-            } else {
-                ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
-            }
+            (void) llama_expert_transfer_run(j.t); // a failed read marks the file
             lock.lock();
             pending[j.mark]--;
             in_flight--;
@@ -133,16 +157,8 @@ struct copier_thread : llama_expert_copier {
         }
         cv_job.notify_one();
     }
-    void copy(int32_t m, bool urgent, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
-        push(urgent, { m, bank, src, offset, size });
-    }
-    void read(int32_t m, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset,
-              size_t size, const char * name) override {
-        push(urgent, { m, bank, nullptr, offset, size, &f, file_off, name });
-    }
-    void read_through(int32_t m, bool urgent, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off,
-                      size_t ram_offset, size_t size, const char * name, ggml_tensor * bank, size_t offset) override {
-        push(urgent, { m, ram, nullptr, ram_offset, size, &f, file_off, name, bank, offset });
+    void submit(int32_t m, bool urgent, const llama_expert_transfer & t) override {
+        push(urgent, { m, t });
     }
     void record(int32_t) override {} // the marks count their copies
     void wait(int32_t m) override {
@@ -182,4 +198,43 @@ std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_de
 
 std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us, int32_t n_threads) {
     return std::make_unique<copier_thread>(n_marks, delay_us, n_threads);
+}
+
+std::unique_ptr<llama_expert_copier> llama_expert_copier_sync() {
+    return std::make_unique<copier_sync>();
+}
+
+std::unique_ptr<llama_expert_copier> llama_expert_copier_create(ggml_backend_dev_t dev, llama_expert_async async,
+        bool host_file, int32_t readers, bool direct_reads, int32_t n_marks, int32_t il, const std::string & pfx,
+        const char * who) {
+    if (async == LLAMA_EXPERT_ASYNC_OFF) {
+        return nullptr;
+    }
+    uint32_t delay_us = 0;
+    if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US")) {
+        delay_us = (uint32_t) strtoul(d, nullptr, 10);
+    }
+    std::unique_ptr<llama_expert_copier> c;
+    const bool host_banks = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
+    if (async == LLAMA_EXPERT_ASYNC_THREAD || (host_file && host_banks)) {
+        if (!host_banks) {
+            throw std::runtime_error(pfx + "async=thread copies into banks in host memory, but the banks of "
+                "layer " + std::to_string(il) + " are on " + ggml_backend_dev_name(dev) + ": use async=auto");
+        }
+        c = llama_expert_copier_thread(n_marks, delay_us, host_file ? readers : 1);
+    } else {
+        c = llama_expert_copier_backend(dev, n_marks);
+    }
+    if (c) {
+        if (host_file && host_banks) {
+            LLAMA_LOG_INFO("%s: host=file: %d reader thread(s) on %s, fetches first, background admissions "
+                "after them; %s\n", who, readers, ggml_backend_dev_name(dev), direct_reads ? "O_DIRECT reads" : "buffered reads");
+        } else {
+            LLAMA_LOG_INFO("%s: background admissions: %s on %s\n", who, c->name(), ggml_backend_dev_name(dev));
+        }
+    } else {
+        LLAMA_LOG_INFO("%s: background admissions: synchronous copies (%s offers no async copies with events)\n",
+            who, ggml_backend_dev_name(dev));
+    }
+    return c;
 }

@@ -190,49 +190,29 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
 
     // background copies: one copier per device of the banks. host=file: reads from the disk are worth overlapping
     // on any device, so async=auto reads background admissions in a host thread where the banks are in host memory
-    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF) {
-        std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
-        uint32_t delay_us = 0;
-        if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US")) {
-            delay_us = (uint32_t) strtoul(d, nullptr, 10);
+    // every layer has a copier: its device's background copier (llama_expert_copier_create), else the synchronous one
+    copier_sync = llama_expert_copier_sync();
+    std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
+    for (size_t il = 0; il < moe.size(); ++il) {
+        if (!moe[il]) {
+            continue;
         }
-        for (size_t il = 0; il < moe.size(); ++il) {
-            if (!moe[il]) {
-                continue;
-            }
-            ggml_backend_dev_t dev = layer_dev(model, (int) il);
-            auto it = copier_of.find(dev);
-            if (it == copier_of.end()) {
-                std::unique_ptr<llama_expert_copier> c;
-                const bool host_banks = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
-                if (async == LLAMA_EXPERT_ASYNC_THREAD || (host_file && host_banks)) {
-                    const bool host = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
-                    if (!host) {
-                        throw std::runtime_error(pfx + "async=thread copies into banks in host memory, but the banks of "
-                            "layer " + std::to_string(il) + " are on " + ggml_backend_dev_name(dev) + ": use async=auto");
-                    }
-                    c = llama_expert_copier_thread(2*(int32_t) moe.size(), delay_us, host_file ? readers : 1);
-                } else {
-                    c = llama_expert_copier_backend(dev, 2*(int32_t) moe.size());
-                }
-                llama_expert_copier * ptr = c.get();
-                if (c) {
-                    if (host_file && host_banks) {
-                        LLAMA_LOG_INFO("%s: host=file: %d reader thread(s) on %s, fetches first, background admissions "
-                            "after them; %s\n", __func__, readers, ggml_backend_dev_name(dev),
-                            files.empty() || files.begin()->second->direct ? "O_DIRECT reads" : "buffered reads");
-                    } else {
-                        LLAMA_LOG_INFO("%s: background admissions: %s on %s\n", __func__, c->name(), ggml_backend_dev_name(dev));
-                    }
-                    copiers.push_back(std::move(c));
-                } else {
-                    LLAMA_LOG_INFO("%s: background admissions: synchronous copies (%s offers no async copies with events)\n",
-                        __func__, ggml_backend_dev_name(dev));
-                }
-                it = copier_of.emplace(dev, ptr).first;
-            }
-            layers[il].copier = it->second;
+        layers[il].copier = copier_sync.get();
+        if (no_alloc) {
+            continue;
         }
+        ggml_backend_dev_t dev = layer_dev(model, (int) il);
+        auto it = copier_of.find(dev);
+        if (it == copier_of.end()) {
+            auto c = llama_expert_copier_create(dev, async, host_file, readers,
+                files.empty() || files.begin()->second->direct, 2*(int32_t) moe.size(), (int32_t) il, pfx, __func__);
+            llama_expert_copier * ptr = c ? c.get() : copier_sync.get();
+            if (c) {
+                copiers.push_back(std::move(c));
+            }
+            it = copier_of.emplace(dev, ptr).first;
+        }
+        layers[il].copier = it->second;
     }
 }
 
@@ -264,10 +244,10 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
         "without the cache (unset LLAMA_MOE_CACHE, or mode=off)", il, ggml_get_name(src)));
 }
 
-// copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
-// async, else synchronously
+// copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer, one transfer per bank submitted to copier
+// (the layer's, or the synchronous one)
 static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, int32_t s,
-                     int32_t e, int32_t n, bool async, bool fg) {
+                     int32_t e, int32_t n, llama_expert_copier & copier, bool fg) {
     const int32_t mark = fg ? 2*il : 2*il + 1;
     // three tiers (runs of one expert): from the RAM tier when it holds the expert's bytes; through it (read from
     // the file into its slot, then copied) when the policy has just put the expert there; else from the file
@@ -277,35 +257,25 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
     const bool    from_ram = s2 >= 0 && L.ram_expert[s2] == e;
     const bool    through  = s2 >= 0 && !from_ram;
     for (const auto & b : L.banks) {
-        const size_t dst = (size_t) s*b.stride, size = (size_t) n*b.stride;
+        llama_expert_transfer t;
+        t.bank   = b.bank;
+        t.offset = (size_t) s*b.stride;
+        t.size   = (size_t) n*b.stride;
         if (from_ram) {
-            const char * src = (const char *) b.ram->data + (size_t) s2*b.stride;
-            if (async) {
-                L.copier->copy(mark, fg, b.bank, src, dst, size);
-            } else {
-                ggml_backend_tensor_set(b.bank, src, dst, size);
-            }
+            t.src = (const char *) b.ram->data + (size_t) s2*b.stride;
         } else if (b.file != nullptr) { // host=file
-            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
-            const size_t   ram_off = (size_t) s2*b.stride;
-            if (through && async) {
-                L.copier->read_through(mark, fg, b.ram, *b.file, off, ram_off, size, ggml_get_name(b.src), b.bank, dst);
-            } else if (through) {
-                if (llama_expert_read_file(b.ram, *b.file, off, ram_off, size, ggml_get_name(b.src))) { // a failure marks the file
-                    ggml_backend_tensor_set(b.bank, (const char *) b.ram->data + ram_off, dst, size);
-                }
-            } else if (async) {
-                L.copier->read(mark, fg, b.bank, *b.file, off, dst, size, ggml_get_name(b.src));
-            } else {
-                (void) llama_expert_read_file(b.bank, *b.file, off, dst, size, ggml_get_name(b.src)); // a failure marks the file
-            }
-        } else if (async) {
-            L.copier->copy(mark, fg, b.bank, (const char *) b.src->data + (size_t) e*b.stride, dst, size);
+            t.source     = through ? LLAMA_EXPERT_THROUGH_RAM : LLAMA_EXPERT_FROM_FILE;
+            t.file       = b.file;
+            t.file_off   = b.file_off + (uint64_t) e*b.stride;
+            t.name       = ggml_get_name(b.src);
+            t.ram        = b.ram;
+            t.ram_offset = (size_t) s2*b.stride;
         } else {
-            ggml_backend_tensor_set(b.bank, (const char *) b.src->data + (size_t) e*b.stride, dst, size);
+            t.src = (const char *) b.src->data + (size_t) e*b.stride;
         }
+        copier.submit(mark, fg, t);
         L.stats.copies++;
-        L.stats.copy_bytes += (uint64_t) size;
+        L.stats.copy_bytes += (uint64_t) t.size;
     }
     if (through) {
         L.ram_expert[s2] = e;
@@ -318,7 +288,8 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
 
 // three tiers: fill the RAM slots whose expert the policy changed and no slot copy of this step read through
 // (background reads where a copier runs: waited for at the layer's next step, before any copy from them)
-static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, bool async) {
+static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy,
+                     llama_expert_copier & copier) {
     for (int32_t s2 = 0; s2 < (int32_t) L.ram_expert.size(); ++s2) {
         const int32_t e = policy.ram_expert_of(s2);
         if (e < 0) {
@@ -329,12 +300,15 @@ static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expe
             continue;
         }
         for (const auto & b : L.banks) {
-            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
-            if (async) {
-                L.copier->read(2*il + 1, false, b.ram, *b.file, off, (size_t) s2*b.stride, b.stride, ggml_get_name(b.src));
-            } else {
-                (void) llama_expert_read_file(b.ram, *b.file, off, (size_t) s2*b.stride, b.stride, ggml_get_name(b.src));
-            }
+            llama_expert_transfer t;
+            t.source   = LLAMA_EXPERT_FROM_FILE;
+            t.bank     = b.ram;
+            t.offset   = (size_t) s2*b.stride;
+            t.size     = b.stride;
+            t.file     = b.file;
+            t.file_off = b.file_off + (uint64_t) e*b.stride;
+            t.name     = ggml_get_name(b.src);
+            copier.submit(2*il + 1, false, t);
         }
         L.ram_expert[s2] = e;
     }
@@ -379,7 +353,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
         }
         GGML_ASSERT(L.slot_state[s] == LLAMA_EXPERT_SLOT_READY && "expert cache engine: a slot overwritten while its copy runs");
         const bool fg = is_fetch(e);
-        if (!fg && L.copier != nullptr && s > 0 && in_use(s - 1)) {
+        if (!fg && L.copier->async() && s > 0 && in_use(s - 1)) {
             // next to a slot in use: copied synchronously at the layer's next route step, before any use
             L.slot_state[s] = LLAMA_EXPERT_SLOT_DEFERRED;
             L.loading.push_back(s);
@@ -398,7 +372,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
     }
     if (runs.empty()) {
         if (!L.ram_expert.empty()) {
-            fill_ram(L, il, policy, false);
+            fill_ram(L, il, policy, *copier_sync);
         }
         return;
     }
@@ -413,9 +387,9 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             if (r.fg != fg) {
                 continue;
             }
-            // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
-            // state until the layer's next route step
-            copy_run(L, il, policy, r.s, r.e, r.n, L.copier != nullptr, fg);
+            // the synchronous copier (CPU builds by default): an admission still goes through the LOADING state until
+            // the layer's next route step
+            copy_run(L, il, policy, r.s, r.e, r.n, *L.copier, fg);
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -423,7 +397,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
                 }
             }
             if (fg) {
-                fetched_async = L.copier != nullptr;
+                fetched_async = L.copier->async();
             } else {
                 L.stats.background_experts += r.n;
                 background = true;
@@ -434,13 +408,13 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
         }
     }
     if (!L.ram_expert.empty()) {
-        const bool async = L.copier != nullptr && fetched != nullptr;
-        fill_ram(L, il, policy, async);
+        const bool async = L.copier->async() && fetched != nullptr;
+        fill_ram(L, il, policy, async ? *L.copier : *copier_sync);
         L.ram_pending = L.ram_pending || async;
         background = background || async;
     }
-    if (background && L.copier != nullptr) {
-        L.copier->record(2*il + 1);
+    if (background) {
+        L.copier->record(2*il + 1); // nothing to record for the synchronous copier
     }
     if (fetched_async) {
         L.copier->wait(2*il); // the ubatch computes with the fetched experts
@@ -455,9 +429,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
         return;
     }
     const auto t_start = std::chrono::steady_clock::now();
-    if (L.copier != nullptr) {
-        L.copier->wait(2*il + 1);
-    }
+    L.copier->wait(2*il + 1); // returns at once for the synchronous copier
     L.ram_pending = false;
     const auto t_waited = std::chrono::steady_clock::now();
     L.stats.wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(t_waited - t_start).count();
@@ -467,7 +439,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
             // the policy's residency has not changed since (no decision in between): copy it now
             const int32_t e = policy.expert_of(s);
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(L, il, policy, s, e, 1, false, true);
+            copy_run(L, il, policy, s, e, 1, *copier_sync, true);
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);

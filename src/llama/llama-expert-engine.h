@@ -83,7 +83,7 @@ struct llama_expert_engine_layer {
     std::vector<int32_t> loading;     // slots with a background copy in flight, or deferred
     std::vector<int32_t> ram_expert;  // three tiers: RAM slot -> expert whose bytes the RAM tier holds (-1: empty)
     bool                 ram_pending = false; // three tiers: RAM slot reads in flight (waited for by complete())
-    llama_expert_copier * copier = nullptr; // copies into this layer's banks (null: synchronous)
+    llama_expert_copier * copier = nullptr; // copies into this layer's banks: its device's, or the synchronous one
     std::vector<llama_expert_engine_run> runs; // scratch of sync()
 
     llama_expert_engine_stats stats;      // since the last reset
@@ -144,6 +144,8 @@ struct llama_expert_engine {
     std::vector<llama_expert_engine_layer> layers;
 
     std::vector<std::unique_ptr<llama_expert_copier>> copiers; // one per device with background copies
+    std::unique_ptr<llama_expert_copier>              copier_sync; // the layers without background copies, and the
+                                                                   // copies that must complete at once
 
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
