@@ -91,9 +91,9 @@ int main(int argc, char ** argv) {
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * t_ids    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, batch);
     ggml_tensor * t_logits = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, E, batch);
-    ggml_tensor * keep = nullptr;
+    ggml_tensor * scale = nullptr;
     ggml_tensor * route = cache.build_route(ctx, t_ids, t_logits, nullptr, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX,
-            true, false, il, &keep);
+            true, false, il, &scale);
     if (route == t_ids) {
         fprintf(stderr, "no route step (slots < k?)\n");
         return 1;

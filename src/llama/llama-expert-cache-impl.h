@@ -137,7 +137,7 @@ struct llama_expert_cache_impl {
     // logits [n_expert, n_tokens] (F32, after any router bias); exp_probs_b: the selection bias or null.
     // Returns the ids tensor the expert ops must use, or `ids` itself when no route step applies to this
     // graph (warmup, or more experts per token than slots). When the rule can change the gate weights (drops,
-    // skips, alpha, renorm: llama_expert_cache_config_scales_weights), *keep is set to an F32 [1, k, n_tokens]
+    // skips, alpha, renorm: llama_expert_cache_config_scales_weights), *scale is set to an F32 [1, k, n_tokens]
     // tensor of factors for the gate weights (else null).
     ggml_tensor * build_route(
             ggml_context * ctx,
@@ -148,7 +148,7 @@ struct llama_expert_cache_impl {
             bool           norm_w,
             bool           warmup,
             int            il,
-            ggml_tensor ** keep,
+            ggml_tensor ** scale,
             ggml_tensor  * pred_logits = nullptr,
             ggml_tensor  * pred_bias   = nullptr);
 

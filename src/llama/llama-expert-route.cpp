@@ -337,7 +337,7 @@ static void llama_expert_cache_check_gating(ggml_tensor * dst, int ith, int nth,
     }
 }
 
-static void llama_expert_cache_keep(ggml_tensor * dst, int ith, int nth, void * userdata) {
+static void llama_expert_cache_scale(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
@@ -370,10 +370,10 @@ ggml_tensor * llama_expert_cache_impl::build_route(
         bool           norm_w,
         bool           warmup,
         int            il,
-        ggml_tensor ** keep,
+        ggml_tensor ** scale,
         ggml_tensor  * pred_logits,
         ggml_tensor  * pred_bias) {
-    *keep = nullptr;
+    *scale = nullptr;
 
     if (warmup || ids->ne[0] > n_slots || ids->ne[1] == 0) {
         return ids; // warmup (k = n_expert): stock routing, no statistics
@@ -444,9 +444,9 @@ ggml_tensor * llama_expert_cache_impl::build_route(
 
     if (llama_expert_cache_config_scales_weights(cfg)) {
         ggml_tensor * kargs[1] = { route };
-        *keep = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, ids->ne[0], ids->ne[1], 1,
-                kargs, 1, llama_expert_cache_keep, 1, &L);
-        ggml_format_name(*keep, "moe_cache_keep-%d", il);
+        *scale = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, ids->ne[0], ids->ne[1], 1,
+                kargs, 1, llama_expert_cache_scale, 1, &L);
+        ggml_format_name(*scale, "moe_cache_scale-%d", il);
     }
     return route;
 }
@@ -454,13 +454,13 @@ ggml_tensor * llama_expert_cache_impl::build_route(
 void llama_expert_cache_impl::build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits,
         ggml_tensor * exp_probs_b, llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected,
         ggml_tensor *& weights, std::initializer_list<ggml_tensor **> expert_tensors) {
-    ggml_tensor * keep  = nullptr;
+    ggml_tensor * scale = nullptr;
     ggml_tensor * pred_logits = nullptr;
     ggml_tensor * pred_bias   = nullptr;
     if ((cfg.prefetch || trace != nullptr) && !g.cparams.warmup) {
         pred_logits = build_prediction(g, il, logits, &pred_bias);
     }
-    ggml_tensor * route = build_route(g.ctx0, selected, logits, exp_probs_b, gating, norm_w, g.cparams.warmup, il, &keep,
+    ggml_tensor * route = build_route(g.ctx0, selected, logits, exp_probs_b, gating, norm_w, g.cparams.warmup, il, &scale,
             pred_logits, pred_bias);
     const bool warmup_spare = route == selected && g.cparams.warmup && engine && !engine->files.empty() &&
         il >= 0 && il < n_layer && layers[il]->moe;
@@ -505,11 +505,11 @@ void llama_expert_cache_impl::build_moe_ffn_route(const llm_graph_context & g, i
         }
         ggml_build_forward_expand(g.gf, chk);
     }
-    if (keep) {
+    if (scale) {
         if (g.backend_cpu) {
-            ggml_backend_sched_set_tensor_backend(g.sched, keep, g.backend_cpu);
+            ggml_backend_sched_set_tensor_backend(g.sched, scale, g.backend_cpu);
         }
-        weights = ggml_mul(g.ctx0, weights, keep);
+        weights = ggml_mul(g.ctx0, weights, scale);
         g.cb(weights, "ffn_moe_weights_kept", il);
     }
 }
