@@ -1,6 +1,7 @@
 // Unit tests of the moe-subst expert residency policy (src/llama/llama-expert-policy.cpp).
 // Built and run by tests/test_expert_cache.py: c++ -std=c++17 -O1 -Isrc/llama -Isrc/include this.cpp with the model-free
 // sources (MOE_SUBST_POLICY_SOURCES in src/moe-subst.cmake)
+#include "llama-expert-budget.h"
 #include "llama-expert-policy.h"
 #include "llama-expert-profile.h"
 
@@ -519,6 +520,47 @@ static void test_rule_table() {
     CHECK(llama_expert_rule_find("bands") == nullptr);
 }
 
+// the residency and budget arithmetic (llama-expert-budget.h): numbers in, numbers out, no model
+static void test_budget() {
+    // a percentage of the layer's experts: rounded to the nearest (halves away from zero), at least 1, at most all
+    CHECK(llama_expert_slots_for_residency(64, 25.0) == 16);
+    CHECK(llama_expert_slots_for_residency(10, 25.0) == 3);  // 2.5 -> 3
+    CHECK(llama_expert_slots_for_residency(6, 25.0) == 2);   // 1.5 -> 2
+    CHECK(llama_expert_slots_for_residency(128, 12.5) == 16);
+    CHECK(llama_expert_slots_for_residency(64, 0.1) == 1);
+    CHECK(llama_expert_slots_for_residency(64, 100.0) == 64);
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("slots=25%", cfg, err) && llama_expert_cache_config_n_slots(cfg, 10) == 3);
+
+    const uint64_t MiB = 1ull << 20;
+    llama_expert_budget b;
+    b.budget   = 1024*MiB;
+    b.weights  = 500*MiB;
+    b.context  = 100*MiB;
+    b.reserve  = 256*MiB;
+    b.per_slot = 2*MiB;
+    b.n_banks  = 6;
+    b.n_expert = 64;
+    b.k        = 8;
+    // fixed: weights + context + reserve + the spare slot + 512 bytes per bank; (budget - fixed) / per_slot slots
+    CHECK(b.fixed() == 858*MiB + 3072 && b.minimum() == 874*MiB + 3072);
+    err.clear();
+    CHECK(llama_expert_budget_slots(b, err) == 64 && err.empty()); // 82 fit, at most n_expert
+    CHECK(llama_expert_budget_plan_line(b, 64) == "expert cache plan: vram=1073741824 weights=524288000 context=104857600 "
+          "reserve=268435456 per_slot=2097152 banks=6 n_expert=64 k=8 slots=64");
+    b.n_expert = 128;
+    CHECK(llama_expert_budget_slots(b, err) == 82); // (1024 - 858 MiB - 3 KiB) / 2 MiB = 82.99
+    b.budget = b.minimum() - 1;
+    CHECK(llama_expert_budget_slots(b, err) == -1 && err.find("vram=874 MiB is too small") == 0 &&
+          err.find("need at least 875 MiB") != std::string::npos);
+    b.ram = true;
+    b.budget = b.minimum();
+    CHECK(llama_expert_budget_slots(b, err) == 8 && llama_expert_budget_plan_line(b, 8).find("expert cache plan: ram=") == 0);
+    b.per_slot = 0;
+    CHECK(llama_expert_budget_slots(b, err) == -1);
+}
+
 // light=host with a threshold rule: the light miss is computed on the host, and counts toward admission
 static void test_light_host() {
     std::vector<float> scores(16, 0.0f);
@@ -978,6 +1020,7 @@ int main() {
     test_band();
     test_band_min_rank();
     test_rule_table();
+    test_budget();
     test_light_host();
     test_classlru();
     test_admission();
