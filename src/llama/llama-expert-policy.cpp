@@ -30,7 +30,7 @@ void llama_expert_layer_policy::init(int32_t n_expert_, int32_t n_slots_, const 
     n_expert  = n_expert_;
     n_slots   = std::min(n_slots_, n_expert_);
     par       = llama_expert_cache_config_params(cfg);
-    rule_row  = &llama_expert_rule_of(par.rule);
+    rule_row  = &llama_expert_rule_of(cfg.rule);
     n_ram     = std::min(llama_expert_cache_config_n_ram_slots(cfg, n_expert_), n_expert_);
 
     initial.resize(n_slots);

@@ -1,7 +1,5 @@
 #include "llama-expert-rules.h"
 
-#include "llama-expert-spec.h"
-
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>

@@ -31,6 +31,8 @@
 //     first choice is always fetched, so that a band of light weights is told apart from the first choice).
 //   - light=host (rules that substitute): a light miss, one the rule does not fetch by its rank or weight (which
 
+#include "llama-expert-params.h"
+
 #include <cstdint>
 #include <string>
 
@@ -47,8 +49,6 @@ enum llama_expert_miss_rule {
 };
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule);
-
-struct llama_expert_params; // the resolved parameters a verdict reads (llama-expert-spec.h)
 
 // what a rule does with one selected expert that is not resident
 enum llama_expert_verdict {

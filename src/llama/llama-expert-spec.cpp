@@ -646,7 +646,6 @@ int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg,
 
 llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_config & cfg) {
     llama_expert_params p;
-    p.rule               = cfg.rule;
     p.tau                = cfg.tau;
     p.tau_file           = cfg.tau_file >= 0.0f ? cfg.tau_file : cfg.tau;
     p.host_file          = cfg.host_file;

@@ -10,6 +10,7 @@
 //     lists it.
 //   - LLAMA_EXPERT_CONFIG_FIELDS: the statistics' "config" block, in file order.
 
+#include "llama-expert-params.h"
 #include "llama-expert-rules.h"
 
 #include <algorithm>
@@ -61,12 +62,6 @@ enum llama_expert_cache_mode {
     LLAMA_EXPERT_CACHE_MODE_OFF     = 0,
     LLAMA_EXPERT_CACHE_MODE_EMULATE = 1,
     LLAMA_EXPERT_CACHE_MODE_ENGINE  = 2, // real cache banks and copies (llama-expert-engine.h)
-};
-
-enum llama_expert_evict {
-    LLAMA_EXPERT_EVICT_LFU = 0,
-    LLAMA_EXPERT_EVICT_LRU = 1,
-    LLAMA_EXPERT_EVICT_CLASSLRU = 2, // upstream llama.cpp's ClassLRU: decayed-count classes, an LRU order in each
 };
 
 // how engine mode copies background admissions
@@ -178,34 +173,7 @@ struct llama_expert_cache_config {
     uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
 };
 
-// The parameters a layer's policy decides with, resolved once from the configuration: the rule's verdicts read
-// them (llama-expert-rules.h), every layer policy holds one copy.
-struct llama_expert_params {
-    llama_expert_miss_rule rule = LLAMA_EXPERT_MISS_FETCH_ALL;
-    // rule=threshold: the threshold for a miss copied from memory (host=ram, or held by the RAM tier), and for a miss
-    // read from the model file (host=file: tau_file, or tau when not given); rule=zero: tau
-    float    tau      = 0.15f;
-    float    tau_file = 0.15f;
-    bool     host_file = false;
-    llama_expert_evict evict = LLAMA_EXPERT_EVICT_LRU;
-    bool     admit = false;
-    float    beta  = 0.5f;
-    uint32_t lfu_halve          = 1024;
-    uint32_t classlru_half_life = 128;
-    uint32_t classlru_classes   = 8;
-    int32_t  route_j     = 1;
-    int32_t  route_m     = 0; // 0: 2k
-    float    route_alpha = 1.0f;
-    int32_t  ser_kmin    = 1;
-    float    ser_t       = 0.1f;
-    float    band_lo       = 0.0f;
-    float    band_hi       = 1.0f;
-    int32_t  band_min_rank = 0;
-    bool     renorm     = false;
-    bool     light_host = false;
-    bool     prefetch   = false;
-};
-
+// The parameters a layer's policy decides with (llama-expert-params.h), resolved once from the configuration
 llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_config & cfg);
 
 // X(field, type, value): the statistics' "config" block, in file order. type: STR (a JSON string), NAME (a C string
