@@ -7,6 +7,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <fstream>
 #include <chrono>
@@ -40,6 +41,17 @@ static int expert_dim(const ggml_tensor * t) {
     return 0;
 }
 
+// the routed-expert tensors of a layer that the engine banks (gate, up, down or merged gate_up, their biases `_b` and
+// scales `_s`), null where the layer has none: the one list of them, for the banks and the budget
+static constexpr size_t LLAMA_EXPERT_N_TENSORS = 11;
+static std::array<ggml_tensor *, LLAMA_EXPERT_N_TENSORS> layer_expert_tensors(const llama_layer & ml) {
+    return {
+        ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
+        ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
+        ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
+    };
+}
+
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
                                          int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file,
                                          int32_t readers, llama_expert_direct direct, int32_t n_ram_)
@@ -52,7 +64,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         auto it = ctx_of.find(buft);
         if (it == ctx_of.end()) {
             ggml_init_params params = {
-                /*.mem_size   =*/ 2*moe.size()*11*ggml_tensor_overhead(), // banks and RAM tiers of 11 tensors a layer
+                /*.mem_size   =*/ 2*moe.size()*LLAMA_EXPERT_N_TENSORS*ggml_tensor_overhead(), // banks and RAM tiers
                 /*.mem_buffer =*/ nullptr,
                 /*.no_alloc   =*/ true,
             };
@@ -70,12 +82,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         if (!moe[il]) {
             continue;
         }
-        const auto & ml = model.layers[il];
-        ggml_tensor * srcs[] = {
-            ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
-            ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
-            ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
-        };
+        const auto srcs = layer_expert_tensors(model.layers[il]);
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
         ggml_context * ctx = ctx_for(buft);
         // three tiers: the RAM tier in the device's pinned host memory (fast asynchronous copies to a GPU), else RAM
@@ -547,10 +554,7 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
             continue;
         }
         bufts[ggml_backend_dev_buffer_type(layer_dev(model, (int) il))] = true;
-        const auto & ml = model.layers[il];
-        for (const ggml_tensor * t : { ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
-                                       ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
-                                       ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s }) {
+        for (const ggml_tensor * t : layer_expert_tensors(model.layers[il])) {
             if (t) {
                 b.per_slot += t->nb[expert_dim(t)];
                 b.n_banks++;
