@@ -98,11 +98,26 @@ struct llama_expert_cache_layer {
     double   gating_ratio_max = -1e300;
 };
 
+// what the cache's policies need of a model (no tensors): a model's (llama_expert_cache_impl's constructor measures
+// it) or a router trace's (llama-moe-sim)
+struct llama_expert_model_shape {
+    int32_t           n_layer  = 0; // including MTP/nextn layers
+    int32_t           n_expert = 0;
+    int32_t           n_used   = 0; // experts per token (k)
+    std::vector<bool> moe;          // per layer: it has routed experts
+    std::string       arch;         // for error messages
+    bool              dry_run  = false; // a memory-fitting dry run: nothing written, printed or traced
+};
+
 struct llama_expert_cache_impl {
     // throws std::runtime_error with a clear message when the configuration cannot apply to the model
     // ctx_mem: the context's memory (KV cache) per buffer type, for a residency given as a budget (vram=)
     llama_expert_cache_impl(const llama_expert_cache_config & cfg, const llama_model & model,
                        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem = {});
+
+    // without a model (llama-moe-sim): the policies, statistics, profiles of mode=emulate; no graph is ever built.
+    // Throws for another mode or a residency budget (vram=, ram=: they need the model's memory).
+    llama_expert_cache_impl(const llama_expert_cache_config & cfg, const llama_expert_model_shape & shape);
     ~llama_expert_cache_impl();
 
     // read the spec from LLAMA_MOE_CACHE; null when unset or mode=off; throws on a bad spec.
@@ -206,6 +221,11 @@ struct llama_expert_cache_impl {
     uint32_t trace_rsize = 0;
 
     void trace_open();
+
+    // construction, in steps that both constructors share
+    void    init_shape(const llama_expert_model_shape & shape, const std::string & prefix);
+    int32_t init_policies(const llama_expert_model_shape & shape, const std::string & prefix); // returns the MoE layers
+    void    init_end(int32_t n_moe);
     void trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
                      const int32_t * out, const uint8_t * act, const float * scores, const int32_t * pred);
 };

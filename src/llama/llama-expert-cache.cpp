@@ -103,14 +103,28 @@ static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_
     return std::make_unique<llama_expert_cache_impl>(cfg, model, ctx_mem);
 }
 
-llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config & cfg_, const llama_model & model,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_), model(&model) {
+// the shape of the model that the cache's policies need (no tensors): a model's, or a router trace's (llama-moe-sim)
+static llama_expert_model_shape shape_of(const llama_model & model) {
     const auto & hparams = model.hparams;
-    const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
+    llama_expert_model_shape shape;
+    shape.n_layer  = (int32_t) std::max<size_t>(hparams.n_layer(), model.layers.size()); // including MTP/nextn layers
+    shape.n_expert = (int32_t) hparams.n_expert;
+    shape.n_used   = (int32_t) hparams.n_expert_used_max();
+    shape.arch     = llm_arch_name(model.arch);
+    shape.dry_run  = hparams.no_alloc;
+    shape.moe.resize(shape.n_layer);
+    for (int32_t il = 0; il < shape.n_layer; ++il) {
+        shape.moe[il] = il < (int32_t) model.layers.size() &&
+            (model.layers[il].ffn_down_exps != nullptr || model.layers[il].ffn_gate_up_exps != nullptr);
+    }
+    return shape;
+}
 
+// the shape's experts, the output paths (checked now, not after a long run)
+void llama_expert_cache_impl::init_shape(const llama_expert_model_shape & shape, const std::string & prefix) {
     // a memory-fitting dry run (llama.cpp's -fit probe) sizes the cache but never runs: it writes, prints and
     // traces nothing, so that no all-zero statistics file is left looking like the run's
-    dry_run = hparams.no_alloc;
+    dry_run = shape.dry_run;
     test_gating = getenv("LLAMA_MOE_CACHE_TEST_GATING") != nullptr;
     if (!dry_run) {
         // the output paths are checked now, not after a long run
@@ -131,31 +145,19 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
         }
     }
 
-    n_layer  = (int32_t) std::max<size_t>(hparams.n_layer(), model.layers.size()); // including MTP/nextn layers
-    n_expert = (int32_t) hparams.n_expert;
-    n_used   = (int32_t) hparams.n_expert_used_max();
+    n_layer  = shape.n_layer;
+    n_expert = shape.n_expert;
+    n_used   = shape.n_used;
+    arch     = shape.arch;
 
     if (n_expert <= 0 || n_used <= 0) {
         throw std::runtime_error(prefix + "mode=" + llama_expert_cache_mode_name(cfg.mode) +
-            " needs a Mixture-of-Experts model, and this model (" + llm_arch_name(model.arch) + ") has no routed experts");
+            " needs a Mixture-of-Experts model, and this model (" + arch + ") has no routed experts");
     }
-    if (model.arch == LLM_ARCH_GROVEMOE) {
-        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
-            "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
-    }
+}
 
-    arch = llm_arch_name(model.arch);
-
-    n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
-    if (cfg.vram > 0 || cfg.ram > 0) {
-        std::vector<bool> moe(n_layer);
-        for (int32_t il = 0; il < n_layer; ++il) {
-            moe[il] = il < (int32_t) model.layers.size() &&
-                (model.layers[il].ffn_down_exps != nullptr || model.layers[il].ffn_gate_up_exps != nullptr);
-        }
-        n_slots = llama_expert_engine_slots_for_budget(model, moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
-            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0);
-    }
+// the slots' checks, the group size, the layers and their policies (initial residency from a profile)
+int32_t llama_expert_cache_impl::init_policies(const llama_expert_model_shape & shape, const std::string & prefix) {
     if (n_slots > n_expert) {
         throw std::runtime_error(prefix + "slots=" + std::to_string(n_slots) + " is more than the " +
             std::to_string(n_expert) + " experts per layer");
@@ -192,8 +194,7 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
         auto L = std::make_unique<llama_expert_cache_layer>();
         L->cache = this;
         L->il    = il;
-        L->moe   = il < (int32_t) model.layers.size() &&
-            (model.layers[il].ffn_down_exps != nullptr || model.layers[il].ffn_gate_up_exps != nullptr);
+        L->moe   = shape.moe[il];
         L->policy.init(n_expert, n_slots, cfg);
         if (L->moe && !profile.empty()) {
             if (il >= (int32_t) profile.size() || (int32_t) profile[il].size() != n_expert) {
@@ -205,6 +206,25 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
         n_moe += L->moe;
         layers[il] = std::move(L);
     }
+    return n_moe;
+}
+
+llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config & cfg_, const llama_model & model,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) : cfg(cfg_), model(&model) {
+    const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
+    const llama_expert_model_shape shape = shape_of(model);
+    init_shape(shape, prefix);
+    if (model.arch == LLM_ARCH_GROVEMOE) {
+        throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
+            "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
+    }
+
+    n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
+    if (cfg.vram > 0 || cfg.ram > 0) {
+        n_slots = llama_expert_engine_slots_for_budget(model, shape.moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
+            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0);
+    }
+    const int32_t n_moe = init_policies(shape, prefix);
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router
     for (int32_t il = 0, prev = -1; il < n_layer; ++il) {
         if (layers[il]->moe) {
@@ -236,32 +256,52 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
         engine->reset_stats();
     }
 
+    init_end(n_moe);
+}
+
+llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config & cfg_, const llama_expert_model_shape & shape)
+        : cfg(cfg_) {
+    const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
+    if (cfg.mode != LLAMA_EXPERT_CACHE_MODE_EMULATE) {
+        throw std::runtime_error(prefix + "a cache without a model decides only: mode=emulate");
+    }
+    if (cfg.vram > 0 || cfg.ram > 0) {
+        throw std::runtime_error(prefix + "vram= and ram= size the residency from a model's memory: give slots= instead");
+    }
+    init_shape(shape, prefix);
+    n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
+    init_end(init_policies(shape, prefix));
+}
+
+// the trace, and what the cache says at start
+void llama_expert_cache_impl::init_end(int32_t n_moe) {
+    const char * who = "llama_expert_cache"; // the log lines' name since they were first written (tests read them)
     trace_top = std::min<uint32_t>(cfg.trace_top, (uint32_t) n_expert);
     if (!cfg.trace.empty() && !dry_run) {
         trace_open();
     }
 
     LLAMA_LOG_INFO("%s: mode = %s, policy = %s (rule = %s, tau = %.3f, evict = %s, admit = %s, beta = %.3f, lfu halving every %u tokens)\n",
-        __func__, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), llama_expert_miss_rule_name(cfg.rule),
+        who, llama_expert_cache_mode_name(cfg.mode), cfg.preset.c_str(), llama_expert_miss_rule_name(cfg.rule),
         cfg.tau, llama_expert_evict_name(cfg.evict), cfg.admit ? "on" : "off", cfg.beta, cfg.lfu_halve);
     const std::string rule_line = llama_expert_rule_describe(llama_expert_rule_of(cfg.rule),
         llama_expert_cache_config_params(cfg), n_used, n_expert);
     if (!rule_line.empty()) {
-        LLAMA_LOG_INFO("%s: %s\n", __func__, rule_line.c_str());
+        LLAMA_LOG_INFO("%s: %s\n", who, rule_line.c_str());
     }
     if (cfg.prefetch) {
         LLAMA_LOG_INFO("%s: prefetch: each MoE layer's route step predicts the next MoE layer's experts with that layer's router%s\n",
-            __func__, engine ? "; one-token ubatches copy them in the background" : "");
+            who, engine ? "; one-token ubatches copy them in the background" : "");
     }
     if (cfg.evict == LLAMA_EXPERT_EVICT_CLASSLRU) {
-        LLAMA_LOG_INFO("%s: classlru: half-life %u tokens, %u classes\n", __func__, cfg.classlru_half_life, cfg.classlru_classes);
+        LLAMA_LOG_INFO("%s: classlru: half-life %u tokens, %u classes\n", who, cfg.classlru_half_life, cfg.classlru_classes);
     }
     LLAMA_LOG_INFO("%s: %d of %d experts resident per layer (%.1f%%), %d used per token, %d MoE layers%s%s\n",
-        __func__, n_slots, n_expert, 100.0 * n_slots / n_expert, n_used, n_moe,
+        who, n_slots, n_expert, 100.0 * n_slots / n_expert, n_used, n_moe,
         cfg.profile.empty() ? "" : ", initial residency from ", cfg.profile.c_str());
     if (group_max > 1) {
         LLAMA_LOG_INFO("%s: ubatches of 2 to %d tokens are decided as a group (their experts held resident together)%s\n",
-            __func__, group_max, engine ? " and computed from the cache banks" : "");
+            who, group_max, engine ? " and computed from the cache banks" : "");
     }
 }
 
@@ -299,7 +339,7 @@ llama_expert_cache_impl::~llama_expert_cache_impl() {
     if (!cfg.stats.empty()) {
         errno = 0;
         if (write_stats(cfg.stats)) {
-            LLAMA_LOG_INFO("%s: statistics written to %s\n", __func__, cfg.stats.c_str());
+            LLAMA_LOG_INFO("%s: statistics written to %s\n", "~llama_expert_cache", cfg.stats.c_str());
         } else {
             expert_cache_write_failed(cfg.spec, "stats", cfg.stats, errno, "the statistics");
         }
