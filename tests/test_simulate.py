@@ -356,7 +356,7 @@ SPECS = [
     "rule=band,lo=0.3,evict=lfu,slots=25%",
     "rule=band,hi=0.08,admit=0.5,slots=20",
     # band at ranks >= 1 only (min_rank, added through the rule and key tables): a first choice is never substituted
-    "rule=band,lo=0.3,min_rank=1,evict=lfu,slots=25%",
+    "rule=band,lo=0.1,min_rank=1,evict=lfu,slots=25%",
     # prefetch (issue 13 item 2): the trace carries each token-layer's prediction (layer 1 of 3 is predicted)
     "policy=quality,prefetch=on,slots=25%",
     "policy=fetch-all,evict=lfu,prefetch=on,slots=12",
