@@ -14,7 +14,7 @@
 // host.
 
 #include "llama.h"
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 #include "llama-model.h"
 
 #include "ggml.h"
@@ -58,7 +58,7 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "bad spec: %s\n", err.c_str());
         return 1;
     }
-    llama_expert_cache cache(cfg, *model);
+    llama_expert_cache_impl cache(cfg, *model);
     const int E = cache.n_expert;
     const int k = cache.n_used;
     int il = 0;
@@ -91,9 +91,9 @@ int main(int argc, char ** argv) {
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * t_ids    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, batch);
     ggml_tensor * t_logits = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, E, batch);
-    ggml_tensor * keep = nullptr;
+    ggml_tensor * scale = nullptr;
     ggml_tensor * route = cache.build_route(ctx, t_ids, t_logits, nullptr, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX,
-            true, false, il, &keep);
+            true, false, il, &scale);
     if (route == t_ids) {
         fprintf(stderr, "no route step (slots < k?)\n");
         return 1;

@@ -7,18 +7,32 @@
 
 set(MOE_SUBST_SRC "${CMAKE_CURRENT_LIST_DIR}")
 
-# libllama: the residency policy, the route step (emulate and engine), the engine's banks and copies,
-# and the C API for applications (include/llama-expert-cache-api.h)
-target_sources(llama PRIVATE
+# The model-free rooms: the spec and its keys, the miss rules, the residency policy and profiles. They need neither
+# ggml nor a model: the C++ unit tests, the sanitizer tests and llama-moe-sim compile this list (tests/conftest.py
+# reads it from here, the one place it is written).
+set(MOE_SUBST_POLICY_SOURCES
+    ${MOE_SUBST_SRC}/llama/llama-expert-spec.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-rules.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-policy.cpp
-    ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-profile.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-budget.cpp)
+
+# libllama: the model-free rooms, the engine's rooms (model-file reads, copiers, banks), the cache's rooms
+# (construction and hooks, the route step, the trace, the statistics) and the C API for applications
+# (include/llama-expert-cache-api.h)
+set(MOE_SUBST_LLAMA_SOURCES
+    ${MOE_SUBST_POLICY_SOURCES}
+    ${MOE_SUBST_SRC}/llama/llama-expert-io.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-copier.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-engine.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-route.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-trace.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-report.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp)
+target_sources(llama PRIVATE ${MOE_SUBST_LLAMA_SOURCES})
 set_source_files_properties(
-    ${MOE_SUBST_SRC}/llama/llama-expert-policy.cpp
-    ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
-    ${MOE_SUBST_SRC}/llama/llama-expert-engine.cpp
-    ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp
+    ${MOE_SUBST_LLAMA_SOURCES}
     ${PROJECT_SOURCE_DIR}/src/llama-context.cpp
     ${PROJECT_SOURCE_DIR}/src/llama-graph.cpp
     TARGET_DIRECTORY llama

@@ -6,11 +6,14 @@
 - `synth_text_file`: about 6 KB of deterministic English-looking text for llama-perplexity.
 - `stock_build` / `patched_build`: harness.core.project.Build objects; the test is skipped (with the reason)
   when build/builds.json or the binaries are missing.
+- `policy_sources`: the model-free C++ sources (spec, rules, policy, profile, budget) that the C++ unit tests compile
+  alone, read from MOE_SUBST_POLICY_SOURCES in src/moe-subst.cmake (the one place the list is written).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,21 @@ from harness.tools.synth import ARCHS, SynthSpec, synth_text, write_dense_model,
 # Every llama.cpp tool a test starts gets the log-drain library (see scripts/log_drain_preload.c): without it
 # the stock build loses its last log lines in about half of the short runs (upstream issue 22142).
 with_log_drain(os.environ)
+
+
+def read_policy_sources() -> list[Path]:
+    """MOE_SUBST_POLICY_SOURCES of src/moe-subst.cmake, as paths."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    m = re.search(r"set\(MOE_SUBST_POLICY_SOURCES\s+([^)]*)\)", (src / "moe-subst.cmake").read_text())
+    assert m, "src/moe-subst.cmake has no set(MOE_SUBST_POLICY_SOURCES ...)"
+    paths = [src / p.replace("${MOE_SUBST_SRC}/", "") for p in m.group(1).split()]
+    assert paths and all(p.is_file() for p in paths), paths
+    return paths
+
+
+@pytest.fixture(scope="session")
+def policy_sources() -> list[Path]:
+    return read_policy_sources()
 
 
 @pytest.fixture(scope="session")

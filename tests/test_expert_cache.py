@@ -44,14 +44,13 @@ THREADS = "2"
 # the policy module alone
 
 
-def test_expert_policy_unit(tmp_path: Path) -> None:
-    src = OUR_SRC / "llama" / "llama-expert-policy.cpp"
+def test_expert_policy_unit(tmp_path: Path, policy_sources: list[Path]) -> None:
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     exe = tmp_path / "test_expert_policy"
     subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{OUR_SRC / 'llama'}", f"-I{OUR_SRC / 'include'}",
-                    str(ROOT / "tests" / "cpp" / "test_expert_policy.cpp"), str(src), "-o", str(exe)],
+                    str(ROOT / "tests" / "cpp" / "test_expert_policy.cpp"), *map(str, policy_sources), "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr

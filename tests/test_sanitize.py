@@ -42,16 +42,19 @@ def _build(tmp: Path, name: str, *sources: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def policy_obj(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """llama-expert-policy.cpp compiled once, sanitized, for both programs."""
-    obj = tmp_path_factory.mktemp("asan") / "llama-expert-policy.o"
-    r = subprocess.run([_cxx(), *FLAGS, "-c", f"-I{SRC / 'llama'}", f"-I{SRC / 'include'}",
-                        str(SRC / "llama" / "llama-expert-policy.cpp"), "-o", str(obj)],
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "sanitize" in r.stderr and "unrecognized" in r.stderr:
-        pytest.skip(f"the compiler has no sanitizers: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return obj
+def policy_obj(tmp_path_factory: pytest.TempPathFactory, policy_sources: list[Path]) -> list[Path]:
+    """The model-free sources (llama-expert-policy.cpp and its rooms) compiled once, sanitized, for both programs."""
+    out = tmp_path_factory.mktemp("asan")
+    objs = []
+    for src in policy_sources:
+        obj = out / (src.stem + ".o")
+        r = subprocess.run([_cxx(), *FLAGS, "-c", f"-I{SRC / 'llama'}", f"-I{SRC / 'include'}", str(src), "-o",
+                            str(obj)], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0 and "sanitize" in r.stderr and "unrecognized" in r.stderr:
+            pytest.skip(f"the compiler has no sanitizers: {r.stderr.strip().splitlines()[-1]}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        objs.append(obj)
+    return objs
 
 
 def _run(exe: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -71,15 +74,15 @@ def test_the_sanitizers_report_a_planted_bug(tmp_path: Path) -> None:
     assert res.returncode != 0 and _reports(res), res.stdout + res.stderr
 
 
-def test_policy_unit_tests_under_asan_and_ubsan(tmp_path: Path, policy_obj: Path) -> None:
-    exe = _build(tmp_path, "test_expert_policy", ROOT / "tests" / "cpp" / "test_expert_policy.cpp", policy_obj)
+def test_policy_unit_tests_under_asan_and_ubsan(tmp_path: Path, policy_obj: list[Path]) -> None:
+    exe = _build(tmp_path, "test_expert_policy", ROOT / "tests" / "cpp" / "test_expert_policy.cpp", *policy_obj)
     res = _run(exe)
     assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
     assert "all expert policy tests passed" in res.stdout
 
 
-def test_spec_fuzz_under_asan_and_ubsan(tmp_path: Path, policy_obj: Path) -> None:
-    exe = _build(tmp_path, "spec_parse", ROOT / "tests" / "cpp" / "spec_parse.cpp", policy_obj)
+def test_spec_fuzz_under_asan_and_ubsan(tmp_path: Path, policy_obj: list[Path]) -> None:
+    exe = _build(tmp_path, "spec_parse", ROOT / "tests" / "cpp" / "spec_parse.cpp", *policy_obj)
     res = _run(exe, "--fuzz", "20000", "7")
     assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
     assert res.stdout.startswith("fuzz: 20000 specs,"), res.stdout

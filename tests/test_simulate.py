@@ -355,6 +355,8 @@ SPECS = [
     # Experiment B's compositions (finding 3): only heavy, or only light misses substituted
     "rule=band,lo=0.3,evict=lfu,slots=25%",
     "rule=band,hi=0.08,admit=0.5,slots=20",
+    # band at ranks >= 1 only (min_rank, added through the rule and key tables): a first choice is never substituted
+    "rule=band,lo=0.1,min_rank=1,evict=lfu,slots=25%",
     # prefetch (issue 13 item 2): the trace carries each token-layer's prediction (layer 1 of 3 is predicted)
     "policy=quality,prefetch=on,slots=25%",
     "policy=fetch-all,evict=lfu,prefetch=on,slots=12",
@@ -387,6 +389,8 @@ def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model
         assert t["substitutions"] > 0
     if "prefetch=on" in spec:
         assert t["prefetches"] > 0 and engine["layers"][1]["prefetches"] > 0
+    if "min_rank=1" in spec:
+        assert engine["config"]["band_min_rank"] == 1 and t["subst_first_choice"] == 0
 
 
 @pytest.mark.build

@@ -54,7 +54,7 @@ def test_format_bytes() -> None:
     assert format_bytes(300 * 2**20) == "300 MiB"
 
 
-def test_cache_spec_parses_sizes_like_the_harness(tmp_path: Path) -> None:
+def test_cache_spec_parses_sizes_like_the_harness(tmp_path: Path, policy_sources: list[Path]) -> None:
     """One size grammar on both sides: vram=/vram_reserve= in the cache spec (C++) take exactly the bytes that
     the harness's --vram takes (harness/sizes.py), and refuse the same inputs."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -64,7 +64,7 @@ def test_cache_spec_parses_sizes_like_the_harness(tmp_path: Path) -> None:
     exe = tmp_path / "spec_parse"
     subprocess.run([cxx, "-std=c++17", "-O1", f"-I{src / 'llama'}", f"-I{src / 'include'}",
                     str(project.project_root() / "tests" / "cpp" / "spec_parse.cpp"),
-                    str(src / "llama" / "llama-expert-policy.cpp"), "-o", str(exe)], check=True)
+                    *map(str, policy_sources), "-o", str(exe)], check=True)
     cases = ["24G", "24GiB", "24GB", "24gb", "24g", "512M", "512MiB", "512MB", "1.5G", "1.5GB", "0.5T", "2TiB",
              "1TB", "4096", "4096B", "64K", "64KiB", "64KB", "20M", "3.25M", "7", "24X", "G", "", "1..5G", ".5G",
              "5.G", "-1G", "24 G", "25%", "1e3", "0x10"]

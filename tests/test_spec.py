@@ -16,14 +16,14 @@ SRC = project.project_root() / "src"
 
 
 @pytest.fixture(scope="module")
-def spec_parse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def spec_parse(tmp_path_factory: pytest.TempPathFactory, policy_sources: list[Path]) -> Path:
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     exe = tmp_path_factory.mktemp("spec") / "spec_parse"
     subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{SRC / 'llama'}", f"-I{SRC / 'include'}",
                     str(project.project_root() / "tests" / "cpp" / "spec_parse.cpp"),
-                    str(SRC / "llama" / "llama-expert-policy.cpp"), "-o", str(exe)], check=True)
+                    *map(str, policy_sources), "-o", str(exe)], check=True)
     return exe
 
 

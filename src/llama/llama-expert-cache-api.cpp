@@ -2,6 +2,7 @@
 
 #include "llama-context.h"
 #include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 
 #include <cstdarg>
 #include <cstdio>
@@ -10,7 +11,8 @@
 // counters for applications (llama-expert-cache-api.h)
 
 bool llama_expert_cache_counters_get(const llama_context * ctx, llama_expert_cache_counters * out) {
-    const llama_expert_cache * cache = ctx ? ctx->get_moe_cache() : nullptr;
+    const llama_expert_cache * handle = ctx ? ctx->get_moe_cache() : nullptr;
+    const llama_expert_cache_impl * cache = handle ? handle->impl.get() : nullptr;
     if (cache == nullptr || out == nullptr) {
         return false;
     }
@@ -98,7 +100,7 @@ int32_t llama_expert_cache_props(const llama_context * ctx, char * buf, size_t s
     if (!llama_expert_cache_counters_get(ctx, &c)) {
         return text_out(std::string(), buf, size);
     }
-    const llama_expert_cache_config & cfg = ctx->get_moe_cache()->cfg;
+    const llama_expert_cache_config & cfg = ctx->get_moe_cache()->impl->cfg;
     std::string s;
     text_printf(s, "{\"mode\": \"%s\", \"policy\": \"%s\", \"rule\": \"%s\", \"tau\": %.6g, \"evict\": \"%s\", "
             "\"admit\": %s, \"host\": \"%s\", ", c.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE ? "engine" : "emulate",

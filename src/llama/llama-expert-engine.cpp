@@ -1,10 +1,13 @@
 #include "llama-expert-engine.h"
 
+#include "llama-expert-budget.h"
+
 #include "llama-expert-policy.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <fstream>
 #include <chrono>
@@ -38,174 +41,15 @@ static int expert_dim(const ggml_tensor * t) {
     return 0;
 }
 
-// host=file: the file and offset that a pointer into a file mapping reads, from /proc/self/maps (the model loader
-// keeps its mappings private); false when p is not in a file mapping (the model was not loaded with mmap)
-static bool mapped_file_of(const void * p, std::string & path, uint64_t & off) {
-    std::ifstream maps("/proc/self/maps");
-    std::string line;
-    const uintptr_t a = (uintptr_t) p;
-    while (std::getline(maps, line)) {
-        unsigned long long lo = 0, hi = 0, foff = 0;
-        char perms[8] = {}, dev[16] = {};
-        unsigned long long inode = 0;
-        int pos = 0;
-        if (sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu %n", &lo, &hi, perms, &foff, dev, &inode, &pos) < 6) {
-            continue;
-        }
-        if (a < lo || a >= hi || inode == 0 || pos <= 0 || (size_t) pos >= line.size() || line[pos] != '/') {
-            continue;
-        }
-        path = line.substr(pos);
-        off  = foff + (a - lo);
-        return true;
-    }
-    return false;
-}
-
-// O_DIRECT alignment of file offsets, lengths and buffers (the logical block size of common devices is 512 or 4096)
-static constexpr size_t DIRECT_ALIGN = 4096;
-
-// the calling thread's buffer for O_DIRECT reads, aligned, grown as needed
-static char * direct_buffer(size_t size) {
-    struct buf {
-        char * p = nullptr;
-        size_t n = 0;
-        ~buf() { free(p); }
+// the routed-expert tensors of a layer that the engine banks (gate, up, down or merged gate_up, their biases `_b` and
+// scales `_s`), null where the layer has none: the one list of them, for the banks and the budget
+static constexpr size_t LLAMA_EXPERT_N_TENSORS = 11;
+static std::array<ggml_tensor *, LLAMA_EXPERT_N_TENSORS> layer_expert_tensors(const llama_layer & ml) {
+    return {
+        ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
+        ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
+        ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
     };
-    thread_local buf b;
-    if (b.n < size) {
-        free(b.p);
-        b.p = nullptr;
-        b.n = 0;
-        void * p = nullptr;
-        if (posix_memalign(&p, DIRECT_ALIGN, size) != 0) {
-            return nullptr;
-        }
-        b.p = (char *) p;
-        b.n = size;
-    }
-    return b.p;
-}
-
-// pread until size bytes are read; the bytes read, or -errno (0 bytes read at the end of the file: short read)
-static ssize_t read_full(int fd, char * dst, size_t size, uint64_t off) {
-    size_t done = 0;
-    while (done < size) {
-        const ssize_t r = pread(fd, dst + done, size - done, (off_t) (off + done));
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r < 0) {
-            return -errno;
-        }
-        if (r == 0) {
-            break;
-        }
-        done += (size_t) r;
-    }
-    return (ssize_t) done;
-}
-
-// a failed read: the file's first failure is logged and kept; false
-static bool read_failed(llama_expert_file & f, ssize_t r, size_t size, const char * tensor_name, uint64_t off) {
-    std::lock_guard<std::mutex> lock(f.error_mtx);
-    if (!f.failed.load()) {
-        f.error = format("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
-            "truncated or damaged after loading; every decode now fails (restore the file and load the model again)",
-            r < 0 ? "read error" : "short read", size, tensor_name, (unsigned long long) off, f.path.c_str(),
-            r < 0 ? ": " : "", r < 0 ? strerror((int) -r) : "");
-        LLAMA_LOG_ERROR("%s\n", f.error.c_str());
-        f.failed = true;
-    }
-    return false;
-}
-
-bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
-                            const char * tensor_name) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const bool host = ggml_backend_buffer_is_host(bank->buffer);
-    const char * src = nullptr;
-    std::vector<char> staging;
-    if (f.direct.load(std::memory_order_relaxed)) {
-        // the aligned span around the bytes, into this thread's aligned buffer
-        const uint64_t lo = file_off & ~(uint64_t) (DIRECT_ALIGN - 1);
-        const uint64_t hi = (file_off + size + DIRECT_ALIGN - 1) & ~(uint64_t) (DIRECT_ALIGN - 1);
-        char * buf = direct_buffer((size_t) (hi - lo));
-        const ssize_t r = !buf ? -ENOMEM : f.test_refuse_read ? -EINVAL : read_full(f.fd_direct, buf, (size_t) (hi - lo), lo);
-        if (r == -EINVAL || r == -ENOMEM) {
-            // the file system refuses O_DIRECT reads after all (or no buffer): buffered reads from now on, said once
-            if (f.direct.exchange(false)) {
-                LLAMA_LOG_WARN("expert cache: host=file: O_DIRECT reads of %s refused (%s): buffered reads from now on\n",
-                    f.path.c_str(), strerror((int) -r));
-            }
-        } else if (r < (ssize_t) (file_off + size - lo)) {
-            return read_failed(f, r, size, tensor_name, file_off);
-        } else {
-            src = buf + (file_off - lo);
-        }
-    }
-    if (src == nullptr) {
-        char * dst = nullptr;
-        if (host) {
-            dst = (char *) bank->data + offset;
-        } else {
-            staging.resize(size);
-            dst = staging.data();
-        }
-        const ssize_t r = read_full(f.fd, dst, size, file_off);
-        if (r != (ssize_t) size) {
-            return read_failed(f, r, size, tensor_name, file_off);
-        }
-        posix_fadvise(f.fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
-        src = host ? nullptr : dst;
-    }
-    if (src != nullptr) {
-        if (host) {
-            memcpy((char *) bank->data + offset, src, size);
-        } else {
-            ggml_backend_tensor_set(bank, src, offset, size);
-        }
-    }
-    f.reads.fetch_add(1, std::memory_order_relaxed);
-    f.bytes.fetch_add(size, std::memory_order_relaxed);
-    f.ns.fetch_add((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
-    return true;
-}
-
-// host=file: open a model file for buffered reads and, unless direct=off, with O_DIRECT (refused on some file
-// systems, e.g. tmpfs: direct=auto falls back to buffered reads and says so, direct=on is an error)
-static std::unique_ptr<llama_expert_file> open_model_file(const std::string & path, llama_expert_direct direct,
-                                                          const std::string & pfx) {
-    auto f = std::make_unique<llama_expert_file>();
-    f->path = path;
-    f->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) {
-        throw std::runtime_error(pfx + "host=file: cannot open " + path + ": " + strerror(errno));
-    }
-    if (direct != LLAMA_EXPERT_DIRECT_OFF) {
-#ifdef O_DIRECT
-        // tests: LLAMA_MOE_CACHE_TEST_DIRECT=refuse-open|refuse-read plays a file system that refuses O_DIRECT
-        const char * test = getenv("LLAMA_MOE_CACHE_TEST_DIRECT");
-        f->fd_direct = test && strcmp(test, "refuse-open") == 0 ? (errno = EINVAL, -1)
-                                                                : open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        const int err = errno;
-        f->test_refuse_read = test && strcmp(test, "refuse-read") == 0;
-#else
-        const int err = ENOTSUP;
-#endif
-        if (f->fd_direct < 0) {
-            if (direct == LLAMA_EXPERT_DIRECT_ON) {
-                close(f->fd);
-                throw std::runtime_error(pfx + "direct=on: the file system of " + path + " refuses O_DIRECT (" +
-                    strerror(err) + "): use direct=auto or direct=off (buffered reads)");
-            }
-            LLAMA_LOG_INFO("%s: host=file: O_DIRECT refused for %s (%s): buffered reads, pages dropped after each read\n",
-                __func__, path.c_str(), strerror(err));
-        }
-        f->direct = f->fd_direct >= 0;
-    }
-    return f;
 }
 
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
@@ -220,7 +64,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         auto it = ctx_of.find(buft);
         if (it == ctx_of.end()) {
             ggml_init_params params = {
-                /*.mem_size   =*/ 2*moe.size()*11*ggml_tensor_overhead(), // banks and RAM tiers of 11 tensors a layer
+                /*.mem_size   =*/ 2*moe.size()*LLAMA_EXPERT_N_TENSORS*ggml_tensor_overhead(), // banks and RAM tiers
                 /*.mem_buffer =*/ nullptr,
                 /*.no_alloc   =*/ true,
             };
@@ -238,12 +82,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         if (!moe[il]) {
             continue;
         }
-        const auto & ml = model.layers[il];
-        ggml_tensor * srcs[] = {
-            ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
-            ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
-            ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
-        };
+        const auto srcs = layer_expert_tensors(model.layers[il]);
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
         ggml_context * ctx = ctx_for(buft);
         // three tiers: the RAM tier in the device's pinned host memory (fast asynchronous copies to a GPU), else RAM
@@ -294,13 +133,13 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             }
             if (host_file && !model.hparams.no_alloc) { // (not in a memory-fitting dry run: nothing is mapped then)
                 std::string path;
-                if (!mapped_file_of(src->data, path, eb.file_off)) {
+                if (!llama_expert_mapped_file_of(src->data, path, eb.file_off)) {
                     throw std::runtime_error(pfx + "host=file reads experts from the model file, but " + ggml_get_name(src) +
                         " is not mapped from a file: load the model with mmap (the default; no --no-mmap, no --load-mode none)");
                 }
                 auto f = files.find(path);
                 if (f == files.end()) {
-                    f = files.emplace(path, open_model_file(path, direct, pfx)).first;
+                    f = files.emplace(path, llama_expert_file_open(path, direct, pfx)).first;
                 }
                 eb.file = f->second.get();
             }
@@ -358,49 +197,29 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
 
     // background copies: one copier per device of the banks. host=file: reads from the disk are worth overlapping
     // on any device, so async=auto reads background admissions in a host thread where the banks are in host memory
-    if (!no_alloc && async != LLAMA_EXPERT_ASYNC_OFF) {
-        std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
-        uint32_t delay_us = 0;
-        if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_COPY_DELAY_US")) {
-            delay_us = (uint32_t) strtoul(d, nullptr, 10);
+    // every layer has a copier: its device's background copier (llama_expert_copier_create), else the synchronous one
+    copier_sync = llama_expert_copier_sync();
+    std::map<ggml_backend_dev_t, llama_expert_copier *> copier_of;
+    for (size_t il = 0; il < moe.size(); ++il) {
+        if (!moe[il]) {
+            continue;
         }
-        for (size_t il = 0; il < moe.size(); ++il) {
-            if (!moe[il]) {
-                continue;
-            }
-            ggml_backend_dev_t dev = layer_dev(model, (int) il);
-            auto it = copier_of.find(dev);
-            if (it == copier_of.end()) {
-                std::unique_ptr<llama_expert_copier> c;
-                const bool host_banks = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
-                if (async == LLAMA_EXPERT_ASYNC_THREAD || (host_file && host_banks)) {
-                    const bool host = ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
-                    if (!host) {
-                        throw std::runtime_error(pfx + "async=thread copies into banks in host memory, but the banks of "
-                            "layer " + std::to_string(il) + " are on " + ggml_backend_dev_name(dev) + ": use async=auto");
-                    }
-                    c = llama_expert_copier_thread(2*(int32_t) moe.size(), delay_us, host_file ? readers : 1);
-                } else {
-                    c = llama_expert_copier_backend(dev, 2*(int32_t) moe.size());
-                }
-                llama_expert_copier * ptr = c.get();
-                if (c) {
-                    if (host_file && host_banks) {
-                        LLAMA_LOG_INFO("%s: host=file: %d reader thread(s) on %s, fetches first, background admissions "
-                            "after them; %s\n", __func__, readers, ggml_backend_dev_name(dev),
-                            files.empty() || files.begin()->second->direct ? "O_DIRECT reads" : "buffered reads");
-                    } else {
-                        LLAMA_LOG_INFO("%s: background admissions: %s on %s\n", __func__, c->name(), ggml_backend_dev_name(dev));
-                    }
-                    copiers.push_back(std::move(c));
-                } else {
-                    LLAMA_LOG_INFO("%s: background admissions: synchronous copies (%s offers no async copies with events)\n",
-                        __func__, ggml_backend_dev_name(dev));
-                }
-                it = copier_of.emplace(dev, ptr).first;
-            }
-            layers[il].copier = it->second;
+        layers[il].copier = copier_sync.get();
+        if (no_alloc) {
+            continue;
         }
+        ggml_backend_dev_t dev = layer_dev(model, (int) il);
+        auto it = copier_of.find(dev);
+        if (it == copier_of.end()) {
+            auto c = llama_expert_copier_create(dev, async, host_file, readers,
+                files.empty() || files.begin()->second->direct, 2*(int32_t) moe.size(), (int32_t) il, pfx, __func__);
+            llama_expert_copier * ptr = c ? c.get() : copier_sync.get();
+            if (c) {
+                copiers.push_back(std::move(c));
+            }
+            it = copier_of.emplace(dev, ptr).first;
+        }
+        layers[il].copier = it->second;
     }
 }
 
@@ -432,48 +251,38 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
         "without the cache (unset LLAMA_MOE_CACHE, or mode=off)", il, ggml_get_name(src)));
 }
 
-// copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer: through the layer's copier when
-// async, else synchronously
+// copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer, one transfer per bank submitted to copier
+// (the layer's, or the synchronous one)
 static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, int32_t s,
-                     int32_t e, int32_t n, bool async, bool fg) {
+                     int32_t e, int32_t n, llama_expert_copier & copier, bool fg) {
     const int32_t mark = fg ? 2*il : 2*il + 1;
     // three tiers (runs of one expert): from the RAM tier when it holds the expert's bytes; through it (read from
     // the file into its slot, then copied) when the policy has just put the expert there; else from the file
     const bool    tiered  = !L.ram_expert.empty();
     GGML_ASSERT(!tiered || n == 1);
-    const int32_t s2      = tiered ? policy.ram_of[e] : -1;
+    const int32_t s2      = tiered ? policy.ram_slot_of(e) : -1;
     const bool    from_ram = s2 >= 0 && L.ram_expert[s2] == e;
     const bool    through  = s2 >= 0 && !from_ram;
     for (const auto & b : L.banks) {
-        const size_t dst = (size_t) s*b.stride, size = (size_t) n*b.stride;
+        llama_expert_transfer t;
+        t.bank   = b.bank;
+        t.offset = (size_t) s*b.stride;
+        t.size   = (size_t) n*b.stride;
         if (from_ram) {
-            const char * src = (const char *) b.ram->data + (size_t) s2*b.stride;
-            if (async) {
-                L.copier->copy(mark, fg, b.bank, src, dst, size);
-            } else {
-                ggml_backend_tensor_set(b.bank, src, dst, size);
-            }
+            t.src = (const char *) b.ram->data + (size_t) s2*b.stride;
         } else if (b.file != nullptr) { // host=file
-            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
-            const size_t   ram_off = (size_t) s2*b.stride;
-            if (through && async) {
-                L.copier->read_through(mark, fg, b.ram, *b.file, off, ram_off, size, ggml_get_name(b.src), b.bank, dst);
-            } else if (through) {
-                if (llama_expert_read_file(b.ram, *b.file, off, ram_off, size, ggml_get_name(b.src))) { // a failure marks the file
-                    ggml_backend_tensor_set(b.bank, (const char *) b.ram->data + ram_off, dst, size);
-                }
-            } else if (async) {
-                L.copier->read(mark, fg, b.bank, *b.file, off, dst, size, ggml_get_name(b.src));
-            } else {
-                (void) llama_expert_read_file(b.bank, *b.file, off, dst, size, ggml_get_name(b.src)); // a failure marks the file
-            }
-        } else if (async) {
-            L.copier->copy(mark, fg, b.bank, (const char *) b.src->data + (size_t) e*b.stride, dst, size);
+            t.source     = through ? LLAMA_EXPERT_THROUGH_RAM : LLAMA_EXPERT_FROM_FILE;
+            t.file       = b.file;
+            t.file_off   = b.file_off + (uint64_t) e*b.stride;
+            t.name       = ggml_get_name(b.src);
+            t.ram        = b.ram;
+            t.ram_offset = (size_t) s2*b.stride;
         } else {
-            ggml_backend_tensor_set(b.bank, (const char *) b.src->data + (size_t) e*b.stride, dst, size);
+            t.src = (const char *) b.src->data + (size_t) e*b.stride;
         }
+        copier.submit(mark, fg, t);
         L.stats.copies++;
-        L.stats.copy_bytes += (uint64_t) size;
+        L.stats.copy_bytes += (uint64_t) t.size;
     }
     if (through) {
         L.ram_expert[s2] = e;
@@ -486,9 +295,10 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
 
 // three tiers: fill the RAM slots whose expert the policy changed and no slot copy of this step read through
 // (background reads where a copier runs: waited for at the layer's next step, before any copy from them)
-static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, bool async) {
+static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy,
+                     llama_expert_copier & copier) {
     for (int32_t s2 = 0; s2 < (int32_t) L.ram_expert.size(); ++s2) {
-        const int32_t e = policy.ram_expert[s2];
+        const int32_t e = policy.ram_expert_of(s2);
         if (e < 0) {
             L.ram_expert[s2] = -1; // emptied by the policy (a reset): forgotten, so reads follow the policy's count
             continue;
@@ -497,12 +307,15 @@ static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expe
             continue;
         }
         for (const auto & b : L.banks) {
-            const uint64_t off = b.file_off + (uint64_t) e*b.stride;
-            if (async) {
-                L.copier->read(2*il + 1, false, b.ram, *b.file, off, (size_t) s2*b.stride, b.stride, ggml_get_name(b.src));
-            } else {
-                (void) llama_expert_read_file(b.ram, *b.file, off, (size_t) s2*b.stride, b.stride, ggml_get_name(b.src));
-            }
+            llama_expert_transfer t;
+            t.source   = LLAMA_EXPERT_FROM_FILE;
+            t.bank     = b.ram;
+            t.offset   = (size_t) s2*b.stride;
+            t.size     = b.stride;
+            t.file     = b.file;
+            t.file_off = b.file_off + (uint64_t) e*b.stride;
+            t.name     = ggml_get_name(b.src);
+            copier.submit(2*il + 1, false, t);
         }
         L.ram_expert[s2] = e;
     }
@@ -531,7 +344,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
     // a slot the ubatch's expert ops read (its expert is computed with); kernels that read past the end of an
     // expert (MMQ tiles) may read the start of the next slot, which no copy may write while they run
     auto in_use = [&](int32_t slot) {
-        const int32_t e = policy.expert_of[slot];
+        const int32_t e = policy.expert_of(slot);
         return e >= 0 && fetched != nullptr && is_fetch(e);
     };
 
@@ -540,14 +353,14 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
     runs.clear();
     int32_t s = 0;
     while (s < n_slots) {
-        const int32_t e = policy.expert_of[s];
+        const int32_t e = policy.expert_of(s);
         if (e < 0 || L.bank_expert[s] == e) {
             ++s;
             continue;
         }
         GGML_ASSERT(L.slot_state[s] == LLAMA_EXPERT_SLOT_READY && "expert cache engine: a slot overwritten while its copy runs");
         const bool fg = is_fetch(e);
-        if (!fg && L.copier != nullptr && s > 0 && in_use(s - 1)) {
+        if (!fg && L.copier->async() && s > 0 && in_use(s - 1)) {
             // next to a slot in use: copied synchronously at the layer's next route step, before any use
             L.slot_state[s] = LLAMA_EXPERT_SLOT_DEFERRED;
             L.loading.push_back(s);
@@ -557,7 +370,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             continue;
         }
         int32_t n = 1;
-        while (L.ram_expert.empty() && s + n < n_slots && policy.expert_of[s + n] == e + n && L.bank_expert[s + n] != e + n &&
+        while (L.ram_expert.empty() && s + n < n_slots && policy.expert_of(s + n) == e + n && L.bank_expert[s + n] != e + n &&
                L.slot_state[s + n] == LLAMA_EXPERT_SLOT_READY && is_fetch(e + n) == fg) {
             ++n;
         }
@@ -566,7 +379,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
     }
     if (runs.empty()) {
         if (!L.ram_expert.empty()) {
-            fill_ram(L, il, policy, false);
+            fill_ram(L, il, policy, *copier_sync);
         }
         return;
     }
@@ -581,9 +394,9 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             if (r.fg != fg) {
                 continue;
             }
-            // no copier (CPU builds by default): synchronous copies; an admission still goes through the LOADING
-            // state until the layer's next route step
-            copy_run(L, il, policy, r.s, r.e, r.n, L.copier != nullptr, fg);
+            // the synchronous copier (CPU builds by default): an admission still goes through the LOADING state until
+            // the layer's next route step
+            copy_run(L, il, policy, r.s, r.e, r.n, *L.copier, fg);
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -591,7 +404,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
                 }
             }
             if (fg) {
-                fetched_async = L.copier != nullptr;
+                fetched_async = L.copier->async();
             } else {
                 L.stats.background_experts += r.n;
                 background = true;
@@ -602,13 +415,13 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
         }
     }
     if (!L.ram_expert.empty()) {
-        const bool async = L.copier != nullptr && fetched != nullptr;
-        fill_ram(L, il, policy, async);
+        const bool async = L.copier->async() && fetched != nullptr;
+        fill_ram(L, il, policy, async ? *L.copier : *copier_sync);
         L.ram_pending = L.ram_pending || async;
         background = background || async;
     }
-    if (background && L.copier != nullptr) {
-        L.copier->record(2*il + 1);
+    if (background) {
+        L.copier->record(2*il + 1); // nothing to record for the synchronous copier
     }
     if (fetched_async) {
         L.copier->wait(2*il); // the ubatch computes with the fetched experts
@@ -623,9 +436,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
         return;
     }
     const auto t_start = std::chrono::steady_clock::now();
-    if (L.copier != nullptr) {
-        L.copier->wait(2*il + 1);
-    }
+    L.copier->wait(2*il + 1); // returns at once for the synchronous copier
     L.ram_pending = false;
     const auto t_waited = std::chrono::steady_clock::now();
     L.stats.wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(t_waited - t_start).count();
@@ -633,9 +444,9 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
     for (int32_t s : L.loading) {
         if (L.slot_state[s] == LLAMA_EXPERT_SLOT_DEFERRED) {
             // the policy's residency has not changed since (no decision in between): copy it now
-            const int32_t e = policy.expert_of[s];
+            const int32_t e = policy.expert_of(s);
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(L, il, policy, s, e, 1, false, true);
+            copy_run(L, il, policy, s, e, 1, *copier_sync, true);
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);
@@ -649,7 +460,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
 }
 
 int32_t llama_expert_engine::slot_for(int32_t il, const llama_expert_layer_policy & policy, int32_t expert) const {
-    const int32_t slot = policy.slot_of[expert];
+    const int32_t slot = policy.slot_of(expert);
     // an expert computed with by the current token is resident and its copy has completed: the policy
     // never evicts an expert in use by the token being decided
     GGML_ASSERT(slot >= 0 && slot < n_slots && "expert cache engine: an expert in use is not resident");
@@ -727,244 +538,51 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_expert_engine::memory_breakdo
 }
 
 //
-// background copiers
-//
-
-namespace {
-
-// a second backend instance of the device: copies on its own stream, one event per mark
-struct copier_backend : llama_expert_copier {
-    ggml_backend_t backend = nullptr;
-    std::vector<ggml_backend_event_t> events;
-    std::vector<bool> recorded;
-
-    ~copier_backend() override {
-        if (backend) {
-            ggml_backend_synchronize(backend);
-        }
-        for (auto ev : events) {
-            if (ev) {
-                ggml_backend_event_free(ev);
-            }
-        }
-        if (backend) {
-            ggml_backend_free(backend);
-        }
-    }
-    void copy(int32_t, bool, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
-        ggml_backend_tensor_set_async(backend, bank, src, offset, size);
-    }
-    // three tiers: the read into the RAM tier (pinned memory) is synchronous, its copy to the device asynchronous
-    void read_through(int32_t, bool, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off, size_t ram_offset,
-                      size_t size, const char * name, ggml_tensor * bank, size_t offset) override {
-        if (llama_expert_read_file(ram, f, file_off, ram_offset, size, name)) { // a failure marks the file
-            ggml_backend_tensor_set_async(backend, bank, (const char *) ram->data + ram_offset, offset, size);
-        }
-    }
-    void record(int32_t m) override {
-        ggml_backend_event_record(events[m], backend);
-        recorded[m] = true;
-    }
-    void wait(int32_t m) override {
-        if (recorded[m]) {
-            ggml_backend_event_synchronize(events[m]);
-            recorded[m] = false;
-        }
-    }
-    void wait_all() override {
-        ggml_backend_synchronize(backend);
-        std::fill(recorded.begin(), recorded.end(), false);
-    }
-    const char * name() const override { return "a copy stream (second backend instance, events)"; }
-};
-
-// host threads that run the copies (or reads from the model file), urgent ones first; a mark counts the copies
-// issued under it that have not completed
-struct copier_thread : llama_expert_copier {
-    struct job {
-        int32_t             mark;
-        ggml_tensor *       bank;
-        const void *        src;
-        size_t              offset;
-        size_t              size;
-        llama_expert_file * file     = nullptr; // host=file: read from the model file instead of src
-        uint64_t            file_off = 0;
-        const char *        name     = nullptr;
-        ggml_tensor *       then_bank   = nullptr; // three tiers: then copy the bytes read into this bank
-        size_t              then_offset = 0;
-    };
-    std::mutex               mtx;
-    std::condition_variable  cv_job;
-    std::condition_variable  cv_done;
-    std::deque<job>          urgent_jobs;
-    std::deque<job>          jobs;
-    std::vector<uint64_t>    pending;       // per mark: copies issued under it, not completed
-    uint64_t                 in_flight = 0; // all marks
-    uint32_t                 delay_us = 0;
-    bool                     stop     = false;
-    std::vector<std::thread> workers;
-
-    copier_thread(int32_t n_marks, uint32_t delay, int32_t n_threads) : pending(n_marks, 0), delay_us(delay) {
-        for (int32_t i = 0; i < std::max<int32_t>(1, n_threads); ++i) {
-            workers.emplace_back([this] { run(); });
-        }
-    }
-    ~copier_thread() override {
-        {
-            std::lock_guard<std::mutex> lock(mtx);
-            stop = true;
-        }
-        cv_job.notify_all();
-        for (auto & w : workers) {
-            w.join();
-        }
-    }
-    void run() {
-        std::unique_lock<std::mutex> lock(mtx);
-        while (true) {
-            cv_job.wait(lock, [this] { return stop || !urgent_jobs.empty() || !jobs.empty(); });
-            auto & q = !urgent_jobs.empty() ? urgent_jobs : jobs;
-            if (q.empty()) {
-                return; // stop, nothing left
-            }
-            const job j = q.front();
-            q.pop_front();
-            lock.unlock();
-            if (delay_us > 0) {
-                std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-            }
-            if (j.file != nullptr) {
-                // a failure marks the file
-                if (llama_expert_read_file(j.bank, *j.file, j.file_off, j.offset, j.size, j.name) && j.then_bank) {
-                    ggml_backend_tensor_set(j.then_bank, (const char *) j.bank->data + j.offset, j.then_offset, j.size);
-                }
-            } else {
-                ggml_backend_tensor_set(j.bank, j.src, j.offset, j.size);
-            }
-            lock.lock();
-            pending[j.mark]--;
-            in_flight--;
-            cv_done.notify_all();
-        }
-    }
-    void push(bool urgent, const job & j) {
-        {
-            std::lock_guard<std::mutex> lock(mtx);
-            (urgent ? urgent_jobs : jobs).push_back(j);
-            pending[j.mark]++;
-            in_flight++;
-        }
-        cv_job.notify_one();
-    }
-    void copy(int32_t m, bool urgent, ggml_tensor * bank, const void * src, size_t offset, size_t size) override {
-        push(urgent, { m, bank, src, offset, size });
-    }
-    void read(int32_t m, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset,
-              size_t size, const char * name) override {
-        push(urgent, { m, bank, nullptr, offset, size, &f, file_off, name });
-    }
-    void read_through(int32_t m, bool urgent, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off,
-                      size_t ram_offset, size_t size, const char * name, ggml_tensor * bank, size_t offset) override {
-        push(urgent, { m, ram, nullptr, ram_offset, size, &f, file_off, name, bank, offset });
-    }
-    void record(int32_t) override {} // the marks count their copies
-    void wait(int32_t m) override {
-        std::unique_lock<std::mutex> lock(mtx);
-        cv_done.wait(lock, [this, m] { return pending[m] == 0; });
-    }
-    void wait_all() override {
-        std::unique_lock<std::mutex> lock(mtx);
-        cv_done.wait(lock, [this] { return in_flight == 0; });
-    }
-    const char * name() const override { return workers.size() > 1 ? "host reader threads" : "a host copy thread"; }
-};
-
-} // namespace
-
-std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_dev_t dev, int32_t n_marks) {
-    ggml_backend_dev_props props;
-    ggml_backend_dev_get_props(dev, &props);
-    if (!props.caps.async || !props.caps.events) {
-        return nullptr;
-    }
-    auto c = std::make_unique<copier_backend>();
-    c->backend = ggml_backend_dev_init(dev, nullptr);
-    if (!c->backend) {
-        return nullptr;
-    }
-    c->events.assign(n_marks, nullptr);
-    c->recorded.assign(n_marks, false);
-    for (int32_t m = 0; m < n_marks; ++m) {
-        c->events[m] = ggml_backend_event_new(dev);
-        if (!c->events[m]) {
-            return nullptr;
-        }
-    }
-    return c;
-}
-
-std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us, int32_t n_threads) {
-    return std::make_unique<copier_thread>(n_marks, delay_us, n_threads);
-}
-
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
-        int32_t n_expert, int32_t k, uint64_t vram, uint64_t reserve,
+        int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram) {
+    llama_expert_budget b;
+    b.ram      = ram;
+    b.budget   = budget;
+    b.reserve  = reserve;
+    b.n_expert = n_expert;
+    b.k        = k;
     std::map<ggml_backend_buffer_type_t, bool> bufts;
     uint64_t expert_bytes = 0; // all routed-expert tensors (ram=: they stay in the file, not in the budget)
-    uint64_t per_slot = 0; // bytes of one slot in every bank of every MoE layer
-    uint64_t n_banks  = 0;
     for (size_t il = 0; il < moe.size(); ++il) {
         if (!moe[il]) {
             continue;
         }
         bufts[ggml_backend_dev_buffer_type(layer_dev(model, (int) il))] = true;
-        const auto & ml = model.layers[il];
-        for (const ggml_tensor * t : { ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
-                                       ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
-                                       ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s }) {
+        for (const ggml_tensor * t : layer_expert_tensors(model.layers[il])) {
             if (t) {
-                per_slot += t->nb[expert_dim(t)];
-                n_banks++;
+                b.per_slot += t->nb[expert_dim(t)];
+                b.n_banks++;
                 expert_bytes += ggml_nbytes(t);
             }
         }
     }
-    uint64_t weights = 0, context = 0;
     for (const auto & [buft, size] : model.memory_breakdown()) {
         if (ram || bufts.count(buft)) {
-            weights += size;
+            b.weights += size;
         }
     }
     for (const auto & [buft, size] : ctx_mem) {
         if (ram || bufts.count(buft)) {
-            context += size;
+            b.context += size;
         }
     }
     if (ram) {
         // ram=: the whole process's weights less the routed experts (read from the file with host=file)
-        weights = weights > expert_bytes ? weights - expert_bytes : 0;
+        b.weights = b.weights > expert_bytes ? b.weights - expert_bytes : 0;
     }
-    const char * key = ram ? "ram" : "vram";
-    // the spare slot of every bank, and alignment padding
-    const uint64_t fixed   = weights + context + reserve + per_slot + 512*n_banks;
-    const uint64_t minimum = fixed + (uint64_t) k*per_slot;
-    const double   MiB     = 1024.0*1024.0;
-    if (per_slot == 0 || vram < minimum) {
-        throw std::runtime_error(prefix + format("%s=%.0f MiB is too small: the weights %s (%.1f MiB), the "
-            "context (%.1f MiB), the compute reserve (vram_reserve, %.1f MiB) and %d slots per layer (the experts used "
-            "per token, %.1f MiB) need at least %.0f MiB", key, vram/MiB, ram ? "in RAM, the experts excepted" : "on the device", weights/MiB, context/MiB, reserve/MiB, k,
-            (fixed - weights - context - reserve + (uint64_t) k*per_slot)/MiB, std::ceil(minimum/MiB)));
+    std::string err;
+    const int32_t n_slots = llama_expert_budget_slots(b, err);
+    if (n_slots < 0) {
+        throw std::runtime_error(prefix + err);
     }
-    const int32_t n_slots = (int32_t) std::min<uint64_t>((uint64_t) n_expert, (vram - fixed)/per_slot);
     // the same arithmetic in exact bytes, for the harness (harness plan: one formula on both sides, tested)
-    LLAMA_LOG_INFO("%s: expert cache plan: %s=%llu weights=%llu context=%llu reserve=%llu per_slot=%llu banks=%llu "
-        "n_expert=%d k=%d slots=%d\n", __func__, key, (unsigned long long) vram, (unsigned long long) weights,
-        (unsigned long long) context, (unsigned long long) reserve, (unsigned long long) per_slot,
-        (unsigned long long) n_banks, n_expert, k, n_slots);
-    LLAMA_LOG_INFO("%s: %s budget %.1f MiB: weights %.1f MiB + context %.1f MiB + compute reserve %.1f MiB + cache "
-        "banks %d slots x %.2f MiB (+1 spare) = %.1f MiB; %d of %d experts resident per layer (%.1f%%)\n", __func__,
-        key, vram/MiB, weights/MiB, context/MiB, reserve/MiB, n_slots, per_slot/MiB,
-        (fixed + (uint64_t) n_slots*per_slot)/MiB, n_slots, n_expert, 100.0*n_slots/n_expert);
+    LLAMA_LOG_INFO("%s: %s\n", __func__, llama_expert_budget_plan_line(b, n_slots).c_str());
+    LLAMA_LOG_INFO("%s: %s\n", __func__, llama_expert_budget_summary(b, n_slots).c_str());
     return n_slots;
 }

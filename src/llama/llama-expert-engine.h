@@ -20,16 +20,13 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
+#include "llama-expert-copier.h"
+#include "llama-expert-io.h"
 #include "llama-expert-policy.h"
 
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,76 +43,6 @@ enum llama_expert_slot_state {
     LLAMA_EXPERT_SLOT_LOADING  = 1,
     LLAMA_EXPERT_SLOT_DEFERRED = 2,
 };
-
-// Asynchronous copies into the banks, in issue order. copy() issues a copy, record(m) sets mark m (one of
-// n_marks) at the copies issued so far, wait(m) blocks until the copies before the mark have completed,
-// wait_all() until every copy has. The engine uses two marks per layer: its fetches (waited for at once, one
-// wait for all of a step's fetch copies) and its background admissions (waited for at the next step).
-// host=file: a model file the banks read from. fd: buffered reads; fd_direct: the same file opened with O_DIRECT
-// (-1 when refused or direct=off); direct: whether reads use fd_direct (cleared, once, when the file system
-// refuses an O_DIRECT read). The counters are summed over the threads that read.
-struct llama_expert_file {
-    std::string           path;
-    int                   fd        = -1;
-    int                   fd_direct = -1;
-    std::atomic<bool>     direct{false};
-    std::atomic<uint64_t> reads{0};
-    std::atomic<uint64_t> bytes{0};
-    std::atomic<uint64_t> ns{0};
-    bool                  test_refuse_read = false; // tests: O_DIRECT reads fail with EINVAL
-
-    // a failed read (the file truncated or damaged after loading, a read error): the first one's message
-    std::atomic<bool>     failed{false};
-    std::mutex            error_mtx;
-    std::string           error;
-};
-
-// host=file: read size bytes at file_off of f into bank at offset (synchronously; with O_DIRECT the aligned span
-// around them into a buffer of the calling thread, else buffered reads whose pages are then dropped from the page
-// cache). On a short read or a read error (the model file was truncated or damaged after loading: moving or
-// replacing it is harmless, the engine holds its own descriptors) returns false, having logged one line naming the
-// read, the tensor and the file (the first failure of the file) and marked the file failed: the engine can no
-// longer serve that file's experts, and the cache then ends every compute (llama_decode returns 2)
-bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
-                            const char * tensor_name);
-
-// Copies into the banks. copy() and read() issue one under a mark (one of n_marks); urgent ones (the ubatch's
-// fetches) go before the others; record(m) closes mark m over the copies issued so far (devices with events),
-// wait(m) blocks until the copies issued under m (and, for in-order copiers, before it) have completed,
-// wait_all() until every copy has. The engine uses two marks per layer: its fetches (waited for at once, one wait
-// for all of a step's fetch copies) and its background admissions (waited for at the next step).
-struct llama_expert_copier {
-    virtual ~llama_expert_copier() = default;
-    virtual void copy(int32_t mark, bool urgent, ggml_tensor * bank, const void * src, size_t offset, size_t size) = 0;
-    // host=file: the same as a copy, from the model file; by default read synchronously
-    virtual void read(int32_t mark, bool urgent, ggml_tensor * bank, llama_expert_file & f, uint64_t file_off,
-                      size_t offset, size_t size, const char * tensor_name) {
-        (void) mark; (void) urgent;
-        (void) llama_expert_read_file(bank, f, file_off, offset, size, tensor_name); // a failure marks f
-    }
-    // three tiers: read from the model file into the RAM tier (ram, host memory) at ram_offset, then copy those
-    // bytes into bank at offset; by default synchronously
-    virtual void read_through(int32_t mark, bool urgent, ggml_tensor * ram, llama_expert_file & f, uint64_t file_off,
-                              size_t ram_offset, size_t size, const char * tensor_name, ggml_tensor * bank,
-                              size_t offset) {
-        (void) mark; (void) urgent;
-        if (llama_expert_read_file(ram, f, file_off, ram_offset, size, tensor_name)) {
-            ggml_backend_tensor_set(bank, (const char *) ram->data + ram_offset, offset, size);
-        }
-    }
-    virtual void record(int32_t mark) = 0;
-    virtual void wait(int32_t mark) = 0;
-    virtual void wait_all() = 0;
-    virtual const char * name() const = 0;
-};
-
-// a second backend instance of the banks' device: its own stream, one event per mark (CUDA and other
-// devices with async copies and events); null when the device offers neither
-std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_dev_t dev, int32_t n_marks);
-
-// n_threads host threads that copy (or read) into banks in host memory, urgent copies first; delay_us (tests)
-// holds every copy back so that a slot used before its copy completed would be caught
-std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us, int32_t n_threads = 1);
 
 struct llama_expert_engine_bank {
     ggml_tensor * src    = nullptr; // the full expert tensor (host memory)
@@ -156,7 +83,7 @@ struct llama_expert_engine_layer {
     std::vector<int32_t> loading;     // slots with a background copy in flight, or deferred
     std::vector<int32_t> ram_expert;  // three tiers: RAM slot -> expert whose bytes the RAM tier holds (-1: empty)
     bool                 ram_pending = false; // three tiers: RAM slot reads in flight (waited for by complete())
-    llama_expert_copier * copier = nullptr; // copies into this layer's banks (null: synchronous)
+    llama_expert_copier * copier = nullptr; // copies into this layer's banks: its device's, or the synchronous one
     std::vector<llama_expert_engine_run> runs; // scratch of sync()
 
     llama_expert_engine_stats stats;      // since the last reset
@@ -217,6 +144,8 @@ struct llama_expert_engine {
     std::vector<llama_expert_engine_layer> layers;
 
     std::vector<std::unique_ptr<llama_expert_copier>> copiers; // one per device with background copies
+    std::unique_ptr<llama_expert_copier>              copier_sync; // the layers without background copies, and the
+                                                                   // copies that must complete at once
 
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
@@ -226,11 +155,11 @@ struct llama_expert_engine {
     bool warned_pageable = false;
 };
 
-// Residency by budget (`vram=SIZE`): the slots per layer that fit in `vram` bytes next to the model's weights
+// Residency by budget (`vram=SIZE`): the slots per layer that fit in `budget` bytes next to the model's weights
 // and the context's memory (ctx_mem) in the buffer types of the MoE layers, plus `reserve` bytes for the
 // compute buffers; at most n_expert. Logs the plan. Throws, naming the minimum budget, when fewer than k fit.
 // ram (`ram=SIZE`, CPU builds with host=file): the budget is the process's RAM: all weights but the routed
 // experts, and all of the context's memory, whatever their buffer types.
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
-        int32_t n_expert, int32_t k, uint64_t vram, uint64_t reserve,
+        int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram = false);

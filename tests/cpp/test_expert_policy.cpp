@@ -1,6 +1,9 @@
 // Unit tests of the moe-subst expert residency policy (src/llama/llama-expert-policy.cpp).
-// Built and run by tests/test_expert_cache.py:  c++ -std=c++17 -O1 -Isrc/llama -Isrc/include this.cpp src/llama/llama-expert-policy.cpp
+// Built and run by tests/test_expert_cache.py: c++ -std=c++17 -O1 -Isrc/llama -Isrc/include this.cpp with the model-free
+// sources (MOE_SUBST_POLICY_SOURCES in src/moe-subst.cmake)
+#include "llama-expert-budget.h"
 #include "llama-expert-policy.h"
+#include "llama-expert-profile.h"
 
 #include <algorithm>
 #include <cmath>
@@ -459,6 +462,105 @@ static void test_band() {
     }
 }
 
+// rule=band with min_rank=1 (the row's own key, added through the rule and key tables only): a miss at a rank below
+// min_rank is fetched whatever its weight, the band applies from min_rank on, so that Experiment B can tell a band of
+// weights apart from the first choice
+static void test_band_min_rank() {
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("rule=band,lo=0.3,min_rank=1", cfg, err) && cfg.band_min_rank == 1);
+    CHECK(llama_expert_cache_config_parse("rule=band", cfg, err) && cfg.band_min_rank == 0);
+    CHECK(!llama_expert_cache_config_parse("rule=threshold,min_rank=1", cfg, err) &&
+          err == "min_rank applies to rule=band, not to rule=threshold: remove min_rank, or use rule=band");
+    CHECK(!llama_expert_cache_config_parse("rule=band,min_rank=x", cfg, err) && err.find("for key 'min_rank'") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("rule=band,min_rank=5", cfg, err) && !llama_expert_cache_config_check_k(cfg, 4, 16, err) &&
+          err.find("bad value '5' for key 'min_rank' (accepted: a rank in [0, 4]") == 0);
+    CHECK(llama_expert_cache_config_parse("rule=band,min_rank=4", cfg, err) && llama_expert_cache_config_check_k(cfg, 4, 16, err));
+
+    // the verdict alone: pure, from the table's row
+    const llama_expert_rule & row = llama_expert_rule_of(LLAMA_EXPERT_MISS_BAND);
+    CHECK(std::string(row.name) == "band" && llama_expert_rule_owns(row, "min_rank") && !llama_expert_rule_owns(row, "tau"));
+    CHECK(llama_expert_cache_config_parse("rule=band,lo=0.3,min_rank=1", cfg, err));
+    const llama_expert_params par = llama_expert_cache_config_params(cfg);
+    CHECK(llama_expert_rule_verdict(row, 0, 0.5f, false, par) == LLAMA_EXPERT_VERDICT_FETCH);
+    CHECK(llama_expert_rule_verdict(row, 1, 0.5f, false, par) == LLAMA_EXPERT_VERDICT_SUBSTITUTE);
+    CHECK(llama_expert_rule_verdict(row, 1, 0.2f, false, par) == LLAMA_EXPERT_VERDICT_FETCH);
+    CHECK(llama_expert_rule_describe(row, par, 4, 16) ==
+          "band: misses with gate weight in [0.300, 1]) substituted at ranks >= 1, the others fetched");
+
+    // the same misses as test_band's heavy band: rank 0 (0.5) is now fetched, rank 1 (0.3) still substituted
+    std::vector<float> scores(16, 0.0f);
+    scores[5] = 2.0f; scores[6] = 1.0f;
+    const std::vector<int32_t> ids = { 10, 11, 12, 13 };
+    const std::vector<float>   w   = { 0.5f, 0.3f, 0.15f, 0.05f };
+    llama_expert_layer_policy p;
+    p.init(16, 8, cfg_of("rule=band,lo=0.3,min_rank=1,evict=lru,slots=8"));
+    auto r = step(p, ids, w, scores);
+    CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.out[0] == 10);
+    CHECK(r.act[1] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[1] == 5);
+    CHECK(r.act[2] == LLAMA_EXPERT_ACTION_FETCH && r.act[3] == LLAMA_EXPERT_ACTION_FETCH);
+    CHECK(p.stats.substitutions == 1 && p.stats.subst_first_choice == 0 && p.stats.fetches == 3);
+}
+
+// the rule table: a row per enum value, in enum order, names unique; the spec's rule list is the table's
+static void test_rule_table() {
+    CHECK(LLAMA_EXPERT_N_RULES == LLAMA_EXPERT_MISS_BAND + 1);
+    for (int32_t i = 0; i < LLAMA_EXPERT_N_RULES; ++i) {
+        const llama_expert_rule & r = LLAMA_EXPERT_RULES[i];
+        CHECK(r.id == (llama_expert_miss_rule) i && r.miss != nullptr);
+        CHECK(&llama_expert_rule_of(r.id) == &r && llama_expert_rule_find(r.name) == &r);
+        llama_expert_cache_config cfg;
+        std::string err;
+        CHECK(llama_expert_cache_config_parse(std::string("rule=") + r.name, cfg, err) && cfg.rule == r.id);
+        CHECK(llama_expert_cache_config_scales_weights(cfg) == r.drops);
+        for (int32_t j = 0; j < i; ++j) {
+            CHECK(std::string(LLAMA_EXPERT_RULES[j].name) != r.name);
+        }
+    }
+    CHECK(llama_expert_rule_find("bands") == nullptr);
+}
+
+// the residency and budget arithmetic (llama-expert-budget.h): numbers in, numbers out, no model
+static void test_budget() {
+    // a percentage of the layer's experts: rounded to the nearest (halves away from zero), at least 1, at most all
+    CHECK(llama_expert_slots_for_residency(64, 25.0) == 16);
+    CHECK(llama_expert_slots_for_residency(10, 25.0) == 3);  // 2.5 -> 3
+    CHECK(llama_expert_slots_for_residency(6, 25.0) == 2);   // 1.5 -> 2
+    CHECK(llama_expert_slots_for_residency(128, 12.5) == 16);
+    CHECK(llama_expert_slots_for_residency(64, 0.1) == 1);
+    CHECK(llama_expert_slots_for_residency(64, 100.0) == 64);
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("slots=25%", cfg, err) && llama_expert_cache_config_n_slots(cfg, 10) == 3);
+
+    const uint64_t MiB = 1ull << 20;
+    llama_expert_budget b;
+    b.budget   = 1024*MiB;
+    b.weights  = 500*MiB;
+    b.context  = 100*MiB;
+    b.reserve  = 256*MiB;
+    b.per_slot = 2*MiB;
+    b.n_banks  = 6;
+    b.n_expert = 64;
+    b.k        = 8;
+    // fixed: weights + context + reserve + the spare slot + 512 bytes per bank; (budget - fixed) / per_slot slots
+    CHECK(b.fixed() == 858*MiB + 3072 && b.minimum() == 874*MiB + 3072);
+    err.clear();
+    CHECK(llama_expert_budget_slots(b, err) == 64 && err.empty()); // 82 fit, at most n_expert
+    CHECK(llama_expert_budget_plan_line(b, 64) == "expert cache plan: vram=1073741824 weights=524288000 context=104857600 "
+          "reserve=268435456 per_slot=2097152 banks=6 n_expert=64 k=8 slots=64");
+    b.n_expert = 128;
+    CHECK(llama_expert_budget_slots(b, err) == 82); // (1024 - 858 MiB - 3 KiB) / 2 MiB = 82.99
+    b.budget = b.minimum() - 1;
+    CHECK(llama_expert_budget_slots(b, err) == -1 && err.find("vram=874 MiB is too small") == 0 &&
+          err.find("need at least 875 MiB") != std::string::npos);
+    b.ram = true;
+    b.budget = b.minimum();
+    CHECK(llama_expert_budget_slots(b, err) == 8 && llama_expert_budget_plan_line(b, 8).find("expert cache plan: ram=") == 0);
+    b.per_slot = 0;
+    CHECK(llama_expert_budget_slots(b, err) == -1);
+}
+
 // light=host with a threshold rule: the light miss is computed on the host, and counts toward admission
 static void test_light_host() {
     std::vector<float> scores(16, 0.0f);
@@ -701,7 +803,7 @@ static void test_fast_substitute() {
                 break;
             }
         }
-        CHECK(fast.expert_of == slow.expert_of);
+        CHECK(fast.experts() == slow.experts());
         CHECK(fast.stats.substitutions == slow.stats.substitutions && fast.stats.substitutions > 0);
     }
 }
@@ -780,7 +882,7 @@ static void test_ram_tier() {
     {
         llama_expert_layer_policy p;
         p.init(8, 2, cfg_of("mode=emulate,host=file,rule=fetch-all,evict=lru,slots=2,ram_slots=3"));
-        CHECK(p.n_ram == 3 && p.ram_expert[0] == 0 && p.ram_expert[1] == 1 && p.ram_expert[2] == -1);
+        CHECK(p.n_ram == 3 && p.ram_expert_of(0) == 0 && p.ram_expert_of(1) == 1 && p.ram_expert_of(2) == -1);
         step(p, { 2 }, { 1.0f }, scores); // from the file, into the free RAM slot; slot of 0 (LRU, lowest id)
         CHECK(p.stats.file_loads == 1 && p.stats.ram_tier_loads == 0 && p.in_ram(2) && !p.is_resident(0));
         step(p, { 0 }, { 1.0f }, scores); // the RAM tier holds 0
@@ -836,7 +938,7 @@ static void test_prefetch() {
         // LRU, k = 1, resident 0, 1, 2
         llama_expert_layer_policy p;
         p.init(6, 3, cfg_of("rule=fetch-all,evict=lru,slots=3,prefetch=on"));
-        CHECK(p.prefetch);
+        CHECK(p.params().prefetch);
         for (int e : { 0, 1, 2 }) {
             step(p, { e }, { 1.0f }, scores);
         }
@@ -916,6 +1018,9 @@ int main() {
     test_zero();
     test_ser();
     test_band();
+    test_band_min_rank();
+    test_rule_table();
+    test_budget();
     test_light_host();
     test_classlru();
     test_admission();

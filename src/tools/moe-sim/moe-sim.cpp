@@ -2,10 +2,10 @@
 //
 // The engine (LLAMA_MOE_CACHE=...,trace=PATH) records, per token and MoE layer, the selected experts, their
 // normalised gate weights and the router's top scores. This tool feeds those records, in the order the
-// engine decided them, to the engine's own expert cache (llama_expert_cache: the same configuration parser,
+// engine decided them, to the engine's own expert cache (llama_expert_cache_impl: the same configuration parser,
 // slot checks, initial residency and profile handling, the same residency policy and the same statistics
-// writer), configured by another spec, so that a policy sweep needs no model run and simulator and engine
-// cannot disagree. Only the gating arithmetic of the route step is skipped: the trace holds its result.
+// writer), configured by another spec and built from the trace's shape alone (no model, stand-in or real), so that a
+// policy sweep needs no model run and simulator and engine cannot disagree. Only the gating arithmetic of the route step is skipped: the trace holds its result.
 //
 // The substitute for a miss is the resident expert with the highest router score; the trace keeps the top_m
 // scores of each token (trace_top in the spec, default 16). Experts outside them are taken as scoring below
@@ -13,9 +13,8 @@
 // trace_top = n_expert; otherwise only the choice among low-scoring substitutes can differ. (The engine ranks
 // by logit, the trace holds probabilities: the same order, unless two probabilities round to the same float.)
 
-#include "llama-expert-cache.h"
+#include "llama-expert-cache-impl.h"
 #include "llama-expert-policy.h"
-#include "llama-model.h"
 
 #include "llama.h"
 #include "ggml.h"
@@ -222,30 +221,19 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
     return true;
 }
 
-// A stand-in model for llama_expert_cache: only the hyperparameters the cache reads (layers, experts,
-// experts per token) and which layers have routed experts (those that have records in the trace).
-static std::unique_ptr<llama_model> moe_sim_model_make(const moe_sim_trace & tr) {
-    static ggml_tensor present = {}; // marks a layer with routed experts; never read
-
-    llama_model_params mparams = llama_model_default_params();
-    std::unique_ptr<llama_model> model(llama_model_create(LLM_ARCH_QWEN3MOE, mparams));
-    if (!model) {
-        throw std::runtime_error("cannot create the stand-in model");
-    }
-    auto & hp = model->hparams;
-    hp.n_layer_all   = tr.n_layer;
-    hp.n_layer_nextn = 0;
-    hp.n_expert      = tr.n_expert;
+// The shape of the traced model, as the cache's policies need it: layers, experts, experts per token, and which
+// layers have routed experts (those that have records in the trace). No model is loaded.
+static llama_expert_model_shape moe_sim_shape(const moe_sim_trace & tr) {
+    llama_expert_model_shape shape;
+    shape.n_layer  = (int32_t) tr.n_layer;
+    shape.n_expert = (int32_t) tr.n_expert;
+    shape.n_used   = (int32_t) tr.k;
+    shape.arch     = "the traced model";
+    shape.moe.resize(tr.n_layer);
     for (uint32_t il = 0; il < tr.n_layer; ++il) {
-        hp.n_expert_used_arr[il] = tr.k;
+        shape.moe[il] = tr.layer_records[il] > 0;
     }
-    model->layers.resize(tr.n_layer);
-    for (uint32_t il = 0; il < tr.n_layer; ++il) {
-        if (tr.layer_records[il] > 0) {
-            model->layers[il].ffn_down_exps = &present;
-        }
-    }
-    return model;
+    return shape;
 }
 
 struct moe_sim_verify {
@@ -274,7 +262,7 @@ static void moe_sim_replay_layer(const moe_sim_trace & tr, uint32_t il, llama_ex
         for (uint32_t j = 0; j < tr.top_m; ++j) {
             scores[top[j]] = top_s[j];
         }
-        if (pol.prefetch) {
+        if (pol.params().prefetch) {
             // the prediction the previous MoE layer made for this token-layer, admitted before the decision
             pol.prefetch_experts((const int32_t *) (rec + tr.off_pred()), (int32_t) k);
         }
@@ -295,7 +283,7 @@ static void moe_sim_replay_layer(const moe_sim_trace & tr, uint32_t il, llama_ex
 
 // One replay of the whole trace. Layers are independent (each has its own policy state), so they are
 // shared out to n_threads threads.
-static void moe_sim_replay(const moe_sim_trace & tr, llama_expert_cache & cache, int n_threads, moe_sim_verify * verify) {
+static void moe_sim_replay(const moe_sim_trace & tr, llama_expert_cache_impl & cache, int n_threads, moe_sim_verify * verify) {
     std::vector<uint32_t> todo;
     for (uint32_t il = 0; il < tr.n_layer; ++il) {
         if (tr.layer_records[il] > 0) {
@@ -493,11 +481,9 @@ int main(int argc, char ** argv) {
     stats_path = cfg.stats;
     cfg.stats.clear(); // written below, where a failure sets the exit code
 
-    std::unique_ptr<llama_model>        model;
-    std::unique_ptr<llama_expert_cache> cache;
+    std::unique_ptr<llama_expert_cache_impl> cache;
     try {
-        model = moe_sim_model_make(tr);
-        cache = std::make_unique<llama_expert_cache>(cfg, *model);
+        cache = std::make_unique<llama_expert_cache_impl>(cfg, moe_sim_shape(tr));
     } catch (const std::exception & e) {
         // the engine's messages are prefixed with LLAMA_MOE_CACHE='spec'
         std::fprintf(stderr, "llama-moe-sim: error: %s\n", e.what());
@@ -548,6 +534,5 @@ int main(int argc, char ** argv) {
         rc = 1;
     }
     cache.reset(); // prints the summary line, writes profile_out
-    model.reset();
     return rc;
 }

@@ -1,0 +1,180 @@
+#include "llama-expert-io.h"
+
+#include "llama-impl.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+bool llama_expert_mapped_file_of(const void * p, std::string & path, uint64_t & off) {
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    const uintptr_t a = (uintptr_t) p;
+    while (std::getline(maps, line)) {
+        unsigned long long lo = 0, hi = 0, foff = 0;
+        char perms[8] = {}, dev[16] = {};
+        unsigned long long inode = 0;
+        int pos = 0;
+        if (sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu %n", &lo, &hi, perms, &foff, dev, &inode, &pos) < 6) {
+            continue;
+        }
+        if (a < lo || a >= hi || inode == 0 || pos <= 0 || (size_t) pos >= line.size() || line[pos] != '/') {
+            continue;
+        }
+        path = line.substr(pos);
+        off  = foff + (a - lo);
+        return true;
+    }
+    return false;
+}
+
+// O_DIRECT alignment of file offsets, lengths and buffers (the logical block size of common devices is 512 or 4096)
+static constexpr size_t DIRECT_ALIGN = 4096;
+
+// the calling thread's buffer for O_DIRECT reads, aligned, grown as needed
+static char * direct_buffer(size_t size) {
+    struct buf {
+        char * p = nullptr;
+        size_t n = 0;
+        ~buf() { free(p); }
+    };
+    thread_local buf b;
+    if (b.n < size) {
+        free(b.p);
+        b.p = nullptr;
+        b.n = 0;
+        void * p = nullptr;
+        if (posix_memalign(&p, DIRECT_ALIGN, size) != 0) {
+            return nullptr;
+        }
+        b.p = (char *) p;
+        b.n = size;
+    }
+    return b.p;
+}
+
+// pread until size bytes are read; the bytes read, or -errno (0 bytes read at the end of the file: short read)
+static ssize_t read_full(int fd, char * dst, size_t size, uint64_t off) {
+    size_t done = 0;
+    while (done < size) {
+        const ssize_t r = pread(fd, dst + done, size - done, (off_t) (off + done));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r < 0) {
+            return -errno;
+        }
+        if (r == 0) {
+            break;
+        }
+        done += (size_t) r;
+    }
+    return (ssize_t) done;
+}
+
+// a failed read: the file's first failure is logged and kept; false
+static bool read_failed(llama_expert_file & f, ssize_t r, size_t size, const char * tensor_name, uint64_t off) {
+    std::lock_guard<std::mutex> lock(f.error_mtx);
+    if (!f.failed.load()) {
+        f.error = format("expert cache: host=file: %s of %zu bytes of %s at offset %llu of %s%s%s: the model file was "
+            "truncated or damaged after loading; every decode now fails (restore the file and load the model again)",
+            r < 0 ? "read error" : "short read", size, tensor_name, (unsigned long long) off, f.path.c_str(),
+            r < 0 ? ": " : "", r < 0 ? strerror((int) -r) : "");
+        LLAMA_LOG_ERROR("%s\n", f.error.c_str());
+        f.failed = true;
+    }
+    return false;
+}
+
+bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
+                            const char * tensor_name) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool host = ggml_backend_buffer_is_host(bank->buffer);
+    const char * src = nullptr;
+    std::vector<char> staging;
+    if (f.direct.load(std::memory_order_relaxed)) {
+        // the aligned span around the bytes, into this thread's aligned buffer
+        const uint64_t lo = file_off & ~(uint64_t) (DIRECT_ALIGN - 1);
+        const uint64_t hi = (file_off + size + DIRECT_ALIGN - 1) & ~(uint64_t) (DIRECT_ALIGN - 1);
+        char * buf = direct_buffer((size_t) (hi - lo));
+        const ssize_t r = !buf ? -ENOMEM : f.test_refuse_read ? -EINVAL : read_full(f.fd_direct, buf, (size_t) (hi - lo), lo);
+        if (r == -EINVAL || r == -ENOMEM) {
+            // the file system refuses O_DIRECT reads after all (or no buffer): buffered reads from now on, said once
+            if (f.direct.exchange(false)) {
+                LLAMA_LOG_WARN("expert cache: host=file: O_DIRECT reads of %s refused (%s): buffered reads from now on\n",
+                    f.path.c_str(), strerror((int) -r));
+            }
+        } else if (r < (ssize_t) (file_off + size - lo)) {
+            return read_failed(f, r, size, tensor_name, file_off);
+        } else {
+            src = buf + (file_off - lo);
+        }
+    }
+    if (src == nullptr) {
+        char * dst = nullptr;
+        if (host) {
+            dst = (char *) bank->data + offset;
+        } else {
+            staging.resize(size);
+            dst = staging.data();
+        }
+        const ssize_t r = read_full(f.fd, dst, size, file_off);
+        if (r != (ssize_t) size) {
+            return read_failed(f, r, size, tensor_name, file_off);
+        }
+        posix_fadvise(f.fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
+        src = host ? nullptr : dst;
+    }
+    if (src != nullptr) {
+        if (host) {
+            memcpy((char *) bank->data + offset, src, size);
+        } else {
+            ggml_backend_tensor_set(bank, src, offset, size);
+        }
+    }
+    f.reads.fetch_add(1, std::memory_order_relaxed);
+    f.bytes.fetch_add(size, std::memory_order_relaxed);
+    f.ns.fetch_add((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
+    return true;
+}
+
+std::unique_ptr<llama_expert_file> llama_expert_file_open(const std::string & path, llama_expert_direct direct,
+                                                          const std::string & pfx) {
+    auto f = std::make_unique<llama_expert_file>();
+    f->path = path;
+    f->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (f->fd < 0) {
+        throw std::runtime_error(pfx + "host=file: cannot open " + path + ": " + strerror(errno));
+    }
+    if (direct != LLAMA_EXPERT_DIRECT_OFF) {
+#ifdef O_DIRECT
+        // tests: LLAMA_MOE_CACHE_TEST_DIRECT=refuse-open|refuse-read plays a file system that refuses O_DIRECT
+        const char * test = getenv("LLAMA_MOE_CACHE_TEST_DIRECT");
+        f->fd_direct = test && strcmp(test, "refuse-open") == 0 ? (errno = EINVAL, -1)
+                                                                : open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        const int err = errno;
+        f->test_refuse_read = test && strcmp(test, "refuse-read") == 0;
+#else
+        const int err = ENOTSUP;
+#endif
+        if (f->fd_direct < 0) {
+            if (direct == LLAMA_EXPERT_DIRECT_ON) {
+                close(f->fd);
+                throw std::runtime_error(pfx + "direct=on: the file system of " + path + " refuses O_DIRECT (" +
+                    strerror(err) + "): use direct=auto or direct=off (buffered reads)");
+            }
+            LLAMA_LOG_INFO("%s: host=file: O_DIRECT refused for %s (%s): buffered reads, pages dropped after each read\n",
+                __func__, path.c_str(), strerror(err));
+        }
+        f->direct = f->fd_direct >= 0;
+    }
+    return f;
+}

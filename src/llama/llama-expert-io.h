@@ -1,0 +1,53 @@
+#pragma once
+
+// Reading experts from the model file (moe-subst, host=file): the file's descriptors and counters, where a mapped
+// tensor lies in its file, and one read of an expert's bytes into a bank.
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "llama-expert-spec.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+// host=file: a model file the banks read from. fd: buffered reads; fd_direct: the same file opened with O_DIRECT
+// (-1 when refused or direct=off); direct: whether reads use fd_direct (cleared, once, when the file system
+// refuses an O_DIRECT read). The counters are summed over the threads that read.
+struct llama_expert_file {
+    std::string           path;
+    int                   fd        = -1;
+    int                   fd_direct = -1;
+    std::atomic<bool>     direct{false};
+    std::atomic<uint64_t> reads{0};
+    std::atomic<uint64_t> bytes{0};
+    std::atomic<uint64_t> ns{0};
+    bool                  test_refuse_read = false; // tests: O_DIRECT reads fail with EINVAL
+
+    // a failed read (the file truncated or damaged after loading, a read error): the first one's message
+    std::atomic<bool>     failed{false};
+    std::mutex            error_mtx;
+    std::string           error;
+};
+
+// host=file: read size bytes at file_off of f into bank at offset (synchronously; with O_DIRECT the aligned span
+// around them into a buffer of the calling thread, else buffered reads whose pages are then dropped from the page
+// cache). On a short read or a read error (the model file was truncated or damaged after loading: moving or
+// replacing it is harmless, the engine holds its own descriptors) returns false, having logged one line naming the
+// read, the tensor and the file (the first failure of the file) and marked the file failed: the engine can no
+// longer serve that file's experts, and the cache then ends every compute (llama_decode returns 2)
+bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
+                            const char * tensor_name);
+
+
+// host=file: open a model file for buffered reads and, unless direct=off, with O_DIRECT (refused on some file
+// systems, e.g. tmpfs: direct=auto falls back to buffered reads and says so, direct=on is an error). Throws
+// std::runtime_error, its message prefixed with pfx, when the file cannot be opened.
+std::unique_ptr<llama_expert_file> llama_expert_file_open(const std::string & path, llama_expert_direct direct,
+                                                          const std::string & pfx);
+
+// host=file: the file and offset that a pointer into a file mapping reads, from /proc/self/maps (the model loader
+// keeps its mappings private); false when p is not in a file mapping (the model was not loaded with mmap)
+bool llama_expert_mapped_file_of(const void * p, std::string & path, uint64_t & off);
