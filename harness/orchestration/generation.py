@@ -25,6 +25,7 @@ from harness.domain.generation import (
     generation_policy_items,
     summarize,
 )
+from harness.domain.plan import slots_for_residency
 from harness.orchestration.executor import Environment, Progress, no_progress, safe_name
 from harness.parsers.cache_stats import parse_cache_stats
 from harness.parsers.generation import Generation
@@ -78,7 +79,7 @@ def run_generation(opts: GenerateOptions, info: ModelInfo, *, env: Environment |
     for p in opts.policies:
         generation_policy_items(p)
     prompts = load_prompts(opts, root)
-    slots = max(info.n_expert_used, min(info.n_expert, round(opts.residency * info.n_expert)))
+    slots = slots_for_residency(opts.residency, info.n_expert, info.n_expert_used)
     builds = env.builds()
     prov = env.provenance(builds, opts.argv, env.gpu())
     fp = _fingerprint(opts, opts.model, prompts, slots, f"{prov.pin}/{prov.patch_series}")
