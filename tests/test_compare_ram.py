@@ -1,7 +1,8 @@
 """`harness compare --ram SIZE`: stock and patched under one RAM limit, every run inside a memory cgroup.
 
 With fake runners (the pattern of tests/test_compare.py): the plan and its budget terms, the run matrix (cgroup,
---repack 0, host=file and the plan's slots in every patched run), the verdict from the cgroup's peaks, the option errors, the cgroup removed on Ctrl-C.
+--repack 0, host=file and the plan's slots in every patched run), the verdict from the cgroup's peaks, the option
+errors, the cgroup removed on Ctrl-C.
 With the real builds (marker `build`), skipped where this machine has no writable memory cgroup: one small
 end-to-end comparison on a generated model, both builds measured inside the cgroup, the cgroup gone afterwards."""
 
@@ -28,7 +29,7 @@ from harness.parsers.gguf_model import ModelInfo, read_model_info
 from harness.report.markdown import render_compare_markdown
 from harness.report.terminal import render_compare_text
 from harness.tools.cgroup import CgroupError, MemoryCgroup
-from harness.tools.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
+from harness.tools.requests import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
 from harness.tools.synth import SynthSpec, write_synth_model
 
 MiB = 2**20

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from harness.core.errors import HarnessError
 from harness.core.sizes import Size, format_bytes
 from harness.parsers.gguf_model import ModelInfo
-from harness.tools.runners import BenchRequest, CacheSpec, PerplexityRequest, Placement
+from harness.tools.requests import BenchRequest, CacheSpec, PerplexityRequest, Placement
 
 
 def slots_for_residency(fraction: float, n_expert: int, at_least: int = 1) -> int:

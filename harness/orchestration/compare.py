@@ -45,7 +45,7 @@ from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.report.tables import plan_lines
 from harness.tools.cgroup import check_ram_limit
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 Announce = Callable[[Sequence[str]], None]  # receives the plan's lines before the first run
 NO_GPU_NOTE = "no GPU found: the CPU build runs; speed figures are labelled 'CPU build'"

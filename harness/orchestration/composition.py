@@ -32,7 +32,7 @@ from harness.orchestration.executor import Environment, Progress, execute_runs, 
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import paired_delta_ppl
-from harness.tools.runners import CacheSpec, Placement, Runner
+from harness.tools.requests import CacheSpec, Placement, Runner
 
 
 def calibration_text(text: str, offset: int, n_chars: int) -> str:

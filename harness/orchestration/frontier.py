@@ -41,7 +41,7 @@ from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.frontier import pareto_front
 from harness.stats.intervals import paired_delta_ppl
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 EVICTS = ("lfu", "lru", "classlru")
 RENORMS = ("off", "on")

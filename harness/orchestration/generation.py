@@ -32,7 +32,7 @@ from harness.parsers.generation import Generation
 from harness.parsers.gguf_model import ModelInfo
 from harness.tools.datasets import Prompt, dataset_prompts, read_prompts
 from harness.tools.generate import GenerationRequest, generate
-from harness.tools.runners import CacheSpec
+from harness.tools.requests import CacheSpec
 
 
 def load_prompts(opts: GenerateOptions, root: Path | None = None) -> list[Prompt]:

@@ -31,7 +31,7 @@ from harness.domain.plan import ENGINE_RESERVE, ComparePlan, RunSpec, SlotPlan, 
 from harness.orchestration.executor import safe_name
 from harness.parsers.gguf_model import ModelInfo
 from harness.tools.cgroup import MemoryCgroup
-from harness.tools.runners import BenchRequest, CacheSpec, PerplexityRequest, Placement
+from harness.tools.requests import BenchRequest, CacheSpec, PerplexityRequest, Placement
 
 DEFAULT_RESIDENCY = Size(fraction=0.25)
 

@@ -36,7 +36,7 @@ from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.frontier import pareto_front
 from harness.stats.intervals import pearson_fisher
-from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
+from harness.tools.requests import CacheSpec, PerplexityRequest, Placement, Runner
 
 
 def grid_points(grid: SweepGrid, info: ModelInfo) -> list[SweepPoint]:

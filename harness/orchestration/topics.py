@@ -33,7 +33,7 @@ from harness.orchestration.summary import load_nlls
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
-from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
+from harness.tools.requests import CacheSpec, PerplexityRequest, Placement, Runner
 
 DEFAULT_TEXT = Path("eval/data/topic-shift.txt")
 
