@@ -14,7 +14,8 @@ import each other in a circle (tests/test_layers.py checks both):
   model. Frozen dataclasses and pure rules: nothing it imports starts a process or a thread (tests/test_layers.py).
 - `tools`: the outside world: `runners` of the built llama.cpp tools (the only place that starts them) and the
   value types they take and return (`requests`: the cache spec, placements, requests, run outputs; pure), host
-  probes, generated test models (`synth`), datasets.
+  probes, generated test models (`synth`: the writer; `synth_layouts`: the architectures, their tensors and
+  metadata; `synth_tokenizer`: the tokenizer trainer and test text), datasets.
 - `parsers`: the text and binary formats, into frozen dataclasses: what the tools write (perplexity,
   llama-bench, memory breakdown, the cache's budget plan line, cache statistics, llama-moe-sim's output, router traces, NLL dumps), GGUF
   metadata, and check's baseline file.
