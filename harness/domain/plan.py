@@ -52,9 +52,10 @@ class SlotPlan:
         return self.slots_per_layer >= self.n_expert
 
 
-# The engine's budget arithmetic (src/llama/llama-expert-engine.cpp, llama_expert_engine_slots_for_budget), the one
-# formula of the project: harness info, compare, sweep and study plan with it, and tests/test_budget.py runs the
-# engine with vram= and checks that this formula, given the engine's own inputs, gives its slots and its minimum.
+# The engine's budget arithmetic (src/llama: the budget planner that logs `expert cache plan:`), the one formula of
+# the project: harness info, compare, sweep and study plan with it, and tests/test_engine.py (the tests named
+# *budget*) runs the engine with vram= and ram= and checks, through harness.parsers.cache_plan, that this formula,
+# given the engine's own inputs, gives its slots and its minimum.
 BANK_PADDING = 512  # bytes of alignment padding counted per cache bank (one bank per routed-expert tensor and layer)
 ENGINE_RESERVE = 256 * 2**20  # the engine's default vram_reserve (docs/expert-cache-engine.md)
 KV_CELL_PAD = 256  # llama.cpp pads the KV cache's cells to a multiple of this
