@@ -17,8 +17,8 @@ import each other in a circle (tests/test_layers.py checks both):
   probes, generated test models (`synth`: the writer; `synth_layouts`: the architectures, their tensors and
   metadata; `synth_tokenizer`: the tokenizer trainer and test text), datasets.
 - `parsers`: the text and binary formats, into frozen dataclasses: what the tools write (perplexity,
-  llama-bench, memory breakdown, the cache's budget plan line, cache statistics, llama-moe-sim's output, router traces, NLL dumps), GGUF
-  metadata, and check's baseline file.
+  llama-bench, memory breakdown, the cache's budget plan line, cache statistics, llama-moe-sim's output, router
+  traces, NLL dumps), GGUF metadata, and check's baseline file.
 - `stats`: pure statistics of numbers: intervals, paired deltas, correlation, the Pareto frontier.
 - `core`: the error type, sizes, where things are (project root, pin, builds), JSON Lines records.
 
