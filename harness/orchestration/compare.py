@@ -7,7 +7,8 @@ over chunks; tokens/s with CIs; the budget verdict) and writes report.md (harnes
 
 `--ram SIZE` instead of a device budget: every run inside one memory cgroup of SIZE (harness.tools.cgroup, page
 cache counted), stock with mmap and --repack 0, the patched build's engine reading missed experts from the model
-file (host=file, ram=SIZE); the verdict is each run's peak in the cgroup against the limit.
+file (host=file) with the slots that the engine's ram=SIZE formula gives, which the quality runs get too; the verdict
+is each run's peak in the cgroup against the limit.
 """
 
 from __future__ import annotations

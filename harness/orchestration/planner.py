@@ -98,7 +98,8 @@ def plan_compare_ram(info: ModelInfo, limit: int, *, reserve_bytes: int = 0, n_c
                      quality: bool = True) -> ComparePlan:
     """Stock and patched on the CPU inside a memory cgroup of `limit` bytes: stock's experts through mmap, the
     engine's banks sized by its ram= formula (non-expert weights + context + reserve + slots), the rest in the
-    file. `reserve_bytes` 0 means the engine's default vram_reserve."""
+    file; the slots of that formula are every patched run's. `reserve_bytes` 0 means the engine's default
+    vram_reserve."""
     reserve = reserve_bytes or ENGINE_RESERVE
     ram = plan_ram(info, limit, reserve, n_ctx)
     slots = SlotPlan(limit, reserve, info.non_expert_bytes, info.bytes_per_expert, info.n_moe_layers, info.n_expert,
