@@ -42,6 +42,7 @@ from harness.core.errors import HarnessError  # noqa: E402
 from harness.core.project import get_build  # noqa: E402
 from harness.core.sizes import format_bytes, parse_size  # noqa: E402
 from harness.domain.costmodel import TokenWork, cache_work  # noqa: E402
+from harness.domain.plan import slots_for_residency  # noqa: E402
 from harness.orchestration.simulate import SimulateOptions, run_calibrate, simulate  # noqa: E402
 from harness.parsers.gguf_model import ModelInfo, read_model_info  # noqa: E402
 from harness.stats.intervals import mean_ci, ratio_ci  # noqa: E402
@@ -289,7 +290,8 @@ def main() -> int:
         # prefill (issue 11 item 5): a cold prompt, stock through mmap; the engine with the default ubatch (above
         # `group`: the full expert tensors through mmap, as stock) and with ubatches of `group` tokens (through
         # the banks, from the file)
-        n_slots = round(float(a.slots[:-1]) * info.n_expert / 100) if a.slots.endswith("%") else int(a.slots)
+        n_slots = (slots_for_residency(float(a.slots[:-1]) / 100, info.n_expert) if a.slots.endswith("%")
+                   else int(a.slots))
         group = max(1, n_slots // info.n_expert_used)  # the engine's group=auto
         fa = engine("fetch-all", a.slots)
         prompt_runs: list[tuple[str, str, str | None, int | None]] = []

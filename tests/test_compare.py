@@ -24,7 +24,8 @@ from harness.parsers import BenchResult, PerplexityResult
 from harness.parsers.cache_stats import CacheStats
 from harness.parsers.gguf_model import ExpertTensor, ModelInfo
 from harness.parsers.nll_dump import NllDump
-from harness.tools.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput, ToolCrashedError
+from harness.tools.requests import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
+from harness.tools.runners import ToolCrashedError
 
 MiB = 2**20
 N_TOK = 200

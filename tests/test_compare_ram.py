@@ -1,7 +1,8 @@
 """`harness compare --ram SIZE`: stock and patched under one RAM limit, every run inside a memory cgroup.
 
 With fake runners (the pattern of tests/test_compare.py): the plan and its budget terms, the run matrix (cgroup,
---repack 0, host=file,ram=), the verdict from the cgroup's peaks, the option errors, the cgroup removed on Ctrl-C.
+--repack 0, host=file and the plan's slots in every patched run), the verdict from the cgroup's peaks, the option
+errors, the cgroup removed on Ctrl-C.
 With the real builds (marker `build`), skipped where this machine has no writable memory cgroup: one small
 end-to-end comparison on a generated model, both builds measured inside the cgroup, the cgroup gone afterwards."""
 
@@ -28,7 +29,7 @@ from harness.parsers.gguf_model import ModelInfo, read_model_info
 from harness.report.markdown import render_compare_markdown
 from harness.report.terminal import render_compare_text
 from harness.tools.cgroup import CgroupError, MemoryCgroup
-from harness.tools.runners import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
+from harness.tools.requests import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
 from harness.tools.synth import SynthSpec, write_synth_model
 
 MiB = 2**20
@@ -136,10 +137,12 @@ def test_every_run_is_inside_the_cgroup_stock_with_mmap_and_the_engine_from_the_
             if req.label == "stock":
                 assert req.cache is None
             else:
-                assert req.cache is not None and req.cache.slots is None  # the engine sizes its banks from ram=
+                # the plan's slots (the quality runs' too), not ram=: the engine would size each context itself
+                assert req.cache is not None and req.cache.slots == res.plan.slots.slots_per_layer
                 spec = req.cache.render()
-                assert spec.startswith(f"mode=engine,policy={req.label},") and spec.endswith(
-                    ",host=file,ram=350M,vram_reserve=256M")
+                assert spec.startswith(f"mode=engine,policy={req.label},slots={res.plan.slots.slots_per_layer},")
+                assert spec.endswith(",host=file")
+                assert "ram=" not in spec
         else:
             assert req.extra_args == ("--no-repack",)
     # the plan is announced before the first run, with the budget terms
@@ -147,7 +150,8 @@ def test_every_run_is_inside_the_cgroup_stock_with_mmap_and_the_engine_from_the_
     text = "\n".join(announced[0][1])
     for term in ("RAM limit: 350 MiB", "non-expert weights", "context 500 KiB (KV cache of 300 tokens, estimated)",
                  "reserve 256 MiB", "per slot 12 MiB", f"-> {res.plan.slots.slots_per_layer} of 8 slots per layer",
-                 "stock: mmap, --repack 0", "patched: mode=engine,host=file,ram=350 MiB", "quality runs"):
+                 "stock: mmap, --repack 0", f"patched: mode=engine,host=file,slots={res.plan.slots.slots_per_layer}",
+                 "quality runs"):
         assert term in text, term
     # verified budget: every run's peak in the cgroup next to the limit
     records = [r for r in ResultsFile(opts.out / "results.jsonl").read() if r["kind"] != "meta"]
@@ -160,6 +164,31 @@ def test_every_run_is_inside_the_cgroup_stock_with_mmap_and_the_engine_from_the_
     md = render_compare_markdown(res)
     assert "| configuration | runs | highest peak | limit | peak / limit |" in md
     assert "Every run's peak: ppl:full 100.0 MiB" in md and "(cgroup v1 memory.max_usage_in_bytes)" in md
+
+
+@pytest.mark.parametrize("ram", [True, False])
+def test_every_run_of_a_comparison_gets_the_same_slots(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv],
+                                                       ram: bool) -> None:
+    """One comparison, one residency: every patched run with the cache on, quality (emulate) and speed (engine),
+    is given the plan's slots per layer, under --ram as under --vram. (Before, --ram gave the speed runs ram=SIZE
+    and no slots, so that the engine chose their residency for each context, and the quality runs the plan's.)"""
+    opts, info, env = ram_setup
+    if not ram:
+        opts = dataclasses.replace(opts, ram=None, vram=Size(fraction=0.5))
+    runner = RamRunner()
+    res = run_compare(opts, runner, info, env=env)
+    planned = res.plan.slots.slots_per_layer
+    cached = [r for r in runner.requests if r.cache is not None and r.cache.mode != "off"]
+    kinds = {(type(r).__name__, r.cache.mode) for r in cached if r.cache is not None}
+    assert kinds == {("PerplexityRequest", "emulate"), ("BenchRequest", "engine")}
+    assert len(cached) == 2 + 2 * 2  # two policies: a quality run each, and a speed run each per repetition
+    slots = set()
+    for r in cached:
+        assert r.cache is not None
+        items = dict(r.cache.items())
+        assert not {"ram", "vram"} & items.keys(), items  # no budget key: the engine would choose its own slots
+        slots.add(items.get("slots"))
+    assert slots == {str(planned)}, slots
 
 
 def test_a_run_without_a_peak_is_named(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
@@ -257,7 +286,7 @@ def test_compare_ram_end_to_end(stock_build: Build, patched_build: Build, synth_
     bench = {r["config"]: r for r in records if r["kind"] == "bench"}
     assert "--repack" in bench["stock"]["argv"] and bench["stock"]["cache_spec"] is None
     for pol in ("fetch-all", "quality"):
-        assert ",host=file,ram=" in bench[pol]["cache_spec"]
+        assert ",slots=8," in bench[pol]["cache_spec"] and bench[pol]["cache_spec"].endswith(",host=file")
         assert bench[pol]["engine_slots"] == 8  # the engine's ram= gives the plan's slots: one formula
     assert res.budget.memory == "RAM" and res.budget.ok, res.budget.message
     q = {r.config: r for r in res.quality}

@@ -573,30 +573,29 @@ def test_engine_budget_is_the_harness_plan(engine_models: dict[str, Path], engin
     sides, and the same minimum (the spare slot, the padding and the reserve counted alike)."""
     from harness.core.errors import HarnessError
     from harness.domain.plan import budget_terms
+    from harness.parsers.cache_plan import CachePlan, parse_cache_plan
     from harness.parsers.gguf_model import read_model_info
 
-    def run(model: Path, vram: int, reserve: int, name: str) -> tuple[Run, dict[str, str]]:
+    def run(model: Path, vram: int, reserve: int, name: str) -> tuple[Run, CachePlan]:
         r = run_ppl(engine_build, model, engine_text, tmp_path / name,
                     f"mode=engine,policy=quality,vram={vram},vram_reserve={reserve}", ubatch=1,
                     extra=("--fit", "off", "-lv", "4"), want="expert cache plan")
-        line = re.search(r"expert cache plan: (.*)", r.output)
-        return r, (dict(kv.split("=") for kv in line.group(1).split()) if line else {})
+        return r, parse_cache_plan(r.output)
 
     for arch in ("qwen3moe", "hy_v3"):
         model = engine_models[arch]
         ours = budget_terms(read_model_info(model))
         _, first = run(model, 1 << 20, 0, f"{arch}-probe")
-        assert (int(first["per_slot"]), int(first["banks"])) == (ours.per_slot, ours.n_banks), first
+        assert (first.per_slot, first.banks) == (ours.per_slot, ours.n_banks), first
         for reserve in (0, 12345):
-            terms = dataclasses.replace(ours, weights=int(first["weights"]), context=int(first["context"]),
-                                        reserve=reserve)
+            terms = dataclasses.replace(ours, weights=first.weights, context=first.context, reserve=reserve)
             for vram, want in ((terms.fixed + 20 * terms.per_slot, 20), (terms.fixed + 20 * terms.per_slot - 1, 19),
                                (terms.minimum, K)):
                 assert terms.slots(vram) == want
                 r, logged = run(model, vram, reserve, f"{arch}-{reserve}-{vram}")
                 check_ok(r)
                 assert r.stats is not None
-                assert int(logged["slots"]) == want == r.stats["config"]["slots"], logged
+                assert logged.slots == want == r.stats["config"]["slots"], logged
             with pytest.raises(HarnessError, match="too small"):
                 terms.slots(terms.minimum - 1)
             r = run_ppl(engine_build, model, engine_text, tmp_path / f"{arch}-{reserve}-small",
@@ -879,6 +878,7 @@ def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tm
     slots names its minimum; ram= without host=file, or with vram=, is refused."""
     from harness.core.errors import HarnessError
     from harness.domain.plan import budget_terms
+    from harness.parsers.cache_plan import parse_cache_plan
     from harness.parsers.gguf_model import read_model_info
 
     model = engine_models["qwen3moe"]
@@ -888,12 +888,11 @@ def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tm
                     "mode=engine,host=file,ram=64M,vram_reserve=0", ubatch=1, extra=("-lv", "4"),
                     want="expert cache plan")
     check_ok(probe)
-    m = re.search(r"expert cache plan: (.*)", probe.output)
-    assert m, probe.output[-2000:]
-    logged = dict(kv.split("=") for kv in m.group(1).split())
-    assert int(logged["weights"]) == info.non_expert_bytes  # the experts stay in the file
-    terms = dataclasses.replace(ours, weights=info.non_expert_bytes, context=int(logged["context"]))
-    assert int(logged["slots"]) == terms.slots(64 << 20) == N_EXPERT
+    logged = parse_cache_plan(probe.output)
+    assert logged.key == "ram" and logged.budget == 64 << 20, logged
+    assert logged.weights == info.non_expert_bytes  # the experts stay in the file
+    terms = dataclasses.replace(ours, weights=info.non_expert_bytes, context=logged.context)
+    assert logged.slots == terms.slots(64 << 20) == N_EXPERT
     for ram, want in ((terms.fixed + 20 * terms.per_slot, 20), (terms.fixed + 20 * terms.per_slot - 1, 19)):
         r = run_ppl(engine_build, model, engine_text, tmp_path / str(ram),
                     f"mode=engine,policy=quality,host=file,ram={ram},vram_reserve=0", ubatch=1)
@@ -1198,24 +1197,23 @@ def test_kquant_budget_is_the_harness_plan(kquant_model: Callable[[str, str], Pa
     bytes per slot (all MoE layers) and banks are the harness's, and a budget at the byte where a slot is gained
     gives the same slots on both sides."""
     from harness.domain.plan import budget_terms
+    from harness.parsers.cache_plan import CachePlan, parse_cache_plan
     from harness.parsers.gguf_model import read_model_info
 
     model = kquant_model("qwen3moe", "Q4_K_M")
     ours = budget_terms(read_model_info(model))
 
-    def run(vram: int, name: str) -> dict[str, str]:
+    def run(vram: int, name: str) -> CachePlan:
         r = run_ppl(engine_build, model, engine_text, tmp_path / name, f"mode=engine,vram={vram},vram_reserve=0",
                     ubatch=1, nll=False, extra=(*NR, "--fit", "off", "-lv", "4"), want="expert cache plan")
-        line = re.search(r"expert cache plan: (.*)", r.output)
-        assert line, r.output[-2000:]
-        return dict(kv.split("=") for kv in line.group(1).split())
+        return parse_cache_plan(r.output)
 
     first = run(64 << 20, "probe")
-    assert (int(first["per_slot"]), int(first["banks"])) == (ours.per_slot, ours.n_banks), first
-    terms = dataclasses.replace(ours, weights=int(first["weights"]), context=int(first["context"]), reserve=0)
+    assert (first.per_slot, first.banks) == (ours.per_slot, ours.n_banks), first
+    terms = dataclasses.replace(ours, weights=first.weights, context=first.context, reserve=0)
     for vram, want in ((terms.fixed + 10 * terms.per_slot, 10), (terms.fixed + 10 * terms.per_slot - 1, 9)):
         assert terms.slots(vram) == want
-        assert int(run(vram, f"b{vram}")["slots"]) == want
+        assert run(vram, f"b{vram}").slots == want
 
 
 @pytest.mark.build
@@ -1224,6 +1222,8 @@ def test_fit_probe_reports_nothing_and_agrees_with_the_run(engine_models: dict[s
     """llama.cpp's -fit probe (on by default) loads without mmap and counts the weights differently: it must not
     print the cache's errors (the real context prints them, once) nor refuse a budget the real context accepts; a
     budget too small is one error and a non-zero exit, with -fit on as with -fit off."""
+    from harness.parsers.cache_plan import parse_cache_plan
+
     model = engine_models["qwen3moe"]
 
     def ppl(spec: str, *extra: str) -> tuple[int, str]:
@@ -1238,10 +1238,11 @@ def test_fit_probe_reports_nothing_and_agrees_with_the_run(engine_models: dict[s
     assert rc != 0 and out.count("bad value 'bogus' for key 'mode'") == 1, out[-3000:]
     assert "common_fit_params" not in out, out[-3000:]
     rc, out = ppl("mode=engine,vram=1M,vram_reserve=0", "--fit", "off", "-lv", "4")
-    plan = re.search(r"expert cache plan: vram=\d+ weights=(\d+) context=(\d+) reserve=(\d+) per_slot=(\d+) "
-                     r"banks=(\d+) n_expert=\d+ k=(\d+)", out)
-    assert rc == 0 and plan is not None, out[-3000:]
-    weights, context, reserve, per_slot, banks, k = (int(x) for x in plan.groups())
+    assert rc == 0, out[-3000:]
+    plan = parse_cache_plan(out)
+    assert plan.key == "vram", plan
+    weights, context, reserve, per_slot, banks, k = (plan.weights, plan.context, plan.reserve, plan.per_slot,
+                                                     plan.banks, plan.k)
     need = weights + context + reserve + (k + 1) * per_slot + 512 * banks  # the smallest budget the run accepts
     for vram, ok in ((need, True), (need - 1, False)):
         for fit in ("on", "off"):

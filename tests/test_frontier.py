@@ -235,7 +235,7 @@ def test_harness_report_rerenders_a_frontier_folder(tmp_path: Path, synth_models
 
     from harness.core.project import Build
     from harness.parsers.gguf_model import read_model_info
-    from harness.tools.runners import PerplexityRequest, PerplexityRun
+    from harness.tools.requests import PerplexityRequest, PerplexityRun
 
     class FileFake(SweepFake):
         def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:

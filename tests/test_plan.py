@@ -2,7 +2,7 @@ import pytest
 
 from harness.core.errors import HarnessError
 from harness.core.sizes import parse_size
-from harness.domain.plan import BANK_PADDING, budget_bytes, budget_terms, plan_slots
+from harness.domain.plan import BANK_PADDING, budget_bytes, budget_terms, plan_slots, slots_for_residency
 from harness.parsers.gguf_model import ExpertTensor, ModelInfo
 
 MiB = 2**20
@@ -68,3 +68,29 @@ def test_too_small_budget_names_the_minimum() -> None:
         plan_slots(info, parse_size(str(minimum - 1)))
     with pytest.raises(HarnessError):
         plan_slots(info, parse_size(str(info.non_expert_bytes + 8 * per * 4 - 1)))
+
+
+@pytest.mark.parametrize(("fraction", "n_expert", "want", "python_round"), [
+    (0.25, 10, 3, 2),  # 2.5: a half rounds away from zero (the engine's lround), not to even (Python's round)
+    (0.25, 6, 2, 2),  # 1.5
+    (0.625, 4, 3, 2),  # 2.5
+    (0.15625, 16, 3, 2),  # 2.5 (15.625%)
+    (0.1328125, 64, 9, 8),  # 8.5 (13.28125%)
+    (0.025, 100, 3, 2),  # 2.5 (2.5%), also a float32 of 2.5 exactly
+    (0.45, 10, 5, 4),  # 4.5 (45%: neither 0.45 nor 45 as a float32 is exact; the product still rounds up)
+    (0.125, 64, 8, 8),  # exact
+    (0.24, 10, 2, 2),  # 2.4
+    (0.26, 10, 3, 3),  # 2.6
+])
+def test_slots_for_residency_rounds_halves_as_the_engine(fraction: float, n_expert: int, want: int,
+                                                          python_round: int) -> None:
+    assert slots_for_residency(fraction, n_expert) == want
+    assert round(fraction * n_expert) == python_round  # where these differ, the old round() was not the engine's
+
+
+def test_slots_for_residency_bounds() -> None:
+    assert slots_for_residency(0.25, 2) == 1  # 0.5 -> 1 (round() gives 0)
+    assert slots_for_residency(0.001, 64) == 1  # the engine's floor: one slot
+    assert slots_for_residency(0.001, 64, at_least=8) == 8  # the commands' floor: k
+    assert slots_for_residency(0.25, 64, at_least=8) == 16
+    assert slots_for_residency(1.0, 64) == 64 and slots_for_residency(0.999, 64) == 64

@@ -18,7 +18,7 @@ from harness.orchestration.sweep import reload_sweep
 from harness.parsers.nll_dump import NllDump
 from harness.report.markdown import render_compare_markdown
 from harness.report.terminal import render_compare_text
-from harness.tools.runners import PerplexityRequest, PerplexityRun
+from harness.tools.requests import PerplexityRequest, PerplexityRun
 
 
 def _result(tmp_path: Path, gpu: str = "none", runs: int = 3) -> CompareResult:

@@ -10,12 +10,8 @@ import pytest
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build
+from harness.tools.requests import CACHE_ENV_VAR, BenchRequest, CacheSpec, PerplexityRequest, Placement
 from harness.tools.runners import (
-    CACHE_ENV_VAR,
-    BenchRequest,
-    CacheSpec,
-    PerplexityRequest,
-    Placement,
     ToolCrashedError,
     ToolRunner,
     ToolTimeoutError,

@@ -56,7 +56,7 @@ def test_format_bytes() -> None:
 
 def test_cache_spec_parses_sizes_like_the_harness(tmp_path: Path, policy_sources: list[Path]) -> None:
     """One size grammar on both sides: vram=/vram_reserve= in the cache spec (C++) take exactly the bytes that
-    the harness's --vram takes (harness/sizes.py), and refuse the same inputs."""
+    the harness's --vram takes (harness/core/sizes.py), and refuse the same inputs."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")

@@ -150,3 +150,17 @@ def test_spec_fuzz_never_crashes_and_answers_one_line(spec_parse: Path) -> None:
                              timeout=120)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         assert res.stdout.startswith("fuzz: 20000 specs,"), res.stdout
+
+
+def test_every_catalogue_policy_is_a_spec_the_engine_accepts(spec_parse: Path) -> None:
+    """Each named policy of harness.domain.catalogue, in emulate and engine mode with slots, passes the engine's
+    parser and its checks against a model (k = 8 of 64 experts): a row with a key or value the engine refuses fails
+    here, not in the middle of a comparison."""
+    from harness.domain.catalogue import POLICIES, policy_cache_spec
+
+    specs = [policy_cache_spec(p, mode, 16, None).render() for p in POLICIES for mode in ("emulate", "engine")]
+    out = subprocess.run([str(spec_parse), "--spec-k", "8", "64", *specs], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.splitlines()
+    assert len(out) == len(specs), out
+    for spec, got in zip(specs, out, strict=True):
+        assert got.startswith("ok"), f"{spec!r}: {got!r}"

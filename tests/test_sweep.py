@@ -23,7 +23,7 @@ from harness.parsers.nll_dump import NllDump
 from harness.report.markdown import render_sweep_markdown
 from harness.stats.frontier import pareto_front
 from harness.stats.intervals import DeltaPPL
-from harness.tools.runners import PerplexityRequest, PerplexityRun, RunOutput
+from harness.tools.requests import PerplexityRequest, PerplexityRun, RunOutput
 
 
 def test_grid_points() -> None:

@@ -25,7 +25,7 @@ from harness.orchestration.topics import (
 )
 from harness.parsers import PerplexityResult
 from harness.parsers.nll_dump import NllDump
-from harness.tools.runners import PerplexityRequest, PerplexityRun, RunOutput
+from harness.tools.requests import PerplexityRequest, PerplexityRun, RunOutput
 
 
 def _dump(n_ctx: int, n_chunk: int, tokens: np.ndarray, nll: np.ndarray) -> NllDump:

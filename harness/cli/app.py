@@ -116,8 +116,9 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c.add_argument("--ram", metavar="SIZE", help="RAM limit instead of a device budget, for a model bigger than RAM: "
                    "8G, 1600M (absolute). Every run is made inside a memory cgroup of SIZE (page cache counted; "
                    "needs a writable memory cgroup, v1 or v2; at most MemAvailable less 2 GiB): stock llama.cpp "
-                   "with mmap and --repack 0, the patched build with mode=engine,host=file,ram=SIZE (missed experts "
-                   "read from the model file); reports each run's peak next to the limit. Not with --vram")
+                   "with mmap and --repack 0, the patched build with mode=engine,host=file and the slots that the "
+                   "engine's ram=SIZE formula gives (missed experts read from the model file; the quality runs with "
+                   "the same slots); reports each run's peak next to the limit. Not with --vram")
     options.add_model(c)
     options.add_policies(c)
     options.add_text(c, "text for perplexity (default: eval/data/heldout.txt)")

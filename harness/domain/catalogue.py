@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from harness.core.errors import HarnessError
-from harness.tools.runners import CacheSpec
+from harness.tools.requests import CacheSpec
 
 STOCK = "stock"  # stock llama.cpp (the stock build)
 FULL = "full"  # the full model: the patched build with the cache off

@@ -4,12 +4,29 @@ command."""
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 from harness.core.errors import HarnessError
 from harness.core.sizes import Size, format_bytes
 from harness.parsers.gguf_model import ModelInfo
-from harness.tools.runners import BenchRequest, CacheSpec, PerplexityRequest, Placement
+from harness.tools.requests import BenchRequest, CacheSpec, PerplexityRequest, Placement
+
+
+def slots_for_residency(fraction: float, n_expert: int, at_least: int = 1) -> int:
+    """Resident experts per MoE layer of a residency (a fraction of each layer's experts), the one rule of the
+    project: what the engine gives `slots=P%` with P = 100 * fraction (src/llama, `residency_n`: `std::lround` of
+    `n_expert * P / 100` in double, P parsed as a float). Halves round away from zero, as `lround` (and
+    `floor(x + 0.5)`) do, not to even as Python's `round()` does: 10 experts at 25% are 3 slots, not 2. The result
+    is at most n_expert and at least `at_least`: the engine's floor is 1; the commands that plan their slots pass
+    k (the experts used per token), which the engine requires."""
+    pct: float = struct.unpack("f", struct.pack("f", fraction * 100))[0]  # the engine parses P into a float
+    x = n_expert * pct / 100.0
+    n = math.floor(x)
+    if x - n >= 0.5:  # exact for x >= 0: lround, without floor(x + 0.5)'s error just below a half
+        n += 1
+    return max(at_least, min(n_expert, n))
 
 
 @dataclass(frozen=True)
@@ -35,9 +52,10 @@ class SlotPlan:
         return self.slots_per_layer >= self.n_expert
 
 
-# The engine's budget arithmetic (src/llama/llama-expert-engine.cpp, llama_expert_engine_slots_for_budget), the one
-# formula of the project: harness info, compare, sweep and study plan with it, and tests/test_budget.py runs the
-# engine with vram= and checks that this formula, given the engine's own inputs, gives its slots and its minimum.
+# The engine's budget arithmetic (src/llama: the budget planner that logs `expert cache plan:`), the one formula of
+# the project: harness info, compare, sweep and study plan with it, and tests/test_engine.py (the tests named
+# *budget*) runs the engine with vram= and ram= and checks, through harness.parsers.cache_plan, that this formula,
+# given the engine's own inputs, gives its slots and its minimum.
 BANK_PADDING = 512  # bytes of alignment padding counted per cache bank (one bank per routed-expert tensor and layer)
 ENGINE_RESERVE = 256 * 2**20  # the engine's default vram_reserve (docs/expert-cache-engine.md)
 KV_CELL_PAD = 256  # llama.cpp pads the KV cache's cells to a multiple of this

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.tools.runners import CacheSpec, PerplexityRequest, Placement
+from harness.tools.requests import CacheSpec, PerplexityRequest, Placement
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
 from harness.parsers.baseline import SCHEMA_VERSION, Baseline, read_baseline
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 # The full model runs the stock graph: its PPL is reproducible on one build and CPU. Across CPUs the native
 # kernels differ (AVX-512 vs AVX2: other summation orders): measured 267.6401 on an Intel AVX-512 machine and

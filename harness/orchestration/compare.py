@@ -7,7 +7,8 @@ over chunks; tokens/s with CIs; the budget verdict) and writes report.md (harnes
 
 `--ram SIZE` instead of a device budget: every run inside one memory cgroup of SIZE (harness.tools.cgroup, page
 cache counted), stock with mmap and --repack 0, the patched build's engine reading missed experts from the model
-file (host=file, ram=SIZE); the verdict is each run's peak in the cgroup against the limit.
+file (host=file) with the slots that the engine's ram=SIZE formula gives, which the quality runs get too; the verdict
+is each run's peak in the cgroup against the limit.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.report.tables import plan_lines
 from harness.tools.cgroup import check_ram_limit
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 Announce = Callable[[Sequence[str]], None]  # receives the plan's lines before the first run
 NO_GPU_NOTE = "no GPU found: the CPU build runs; speed figures are labelled 'CPU build'"

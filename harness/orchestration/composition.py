@@ -27,12 +27,12 @@ from harness.domain.composition import (
     MassLevel,
     finding3_verdict,
 )
-from harness.domain.plan import RunSpec
+from harness.domain.plan import RunSpec, slots_for_residency
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import paired_delta_ppl
-from harness.tools.runners import CacheSpec, Placement, Runner
+from harness.tools.requests import CacheSpec, Placement, Runner
 
 
 def calibration_text(text: str, offset: int, n_chars: int) -> str:
@@ -176,7 +176,7 @@ def run_composition(opts: CompositionOptions, runner: Runner, info: ModelInfo, *
         raise HarnessError(f"the heavy bands' edges must lie in (0, 1), got {', '.join(map(str, bad)) or 'none'}")
     if not 0 < opts.tolerance < 1:
         raise HarnessError(f"the mass tolerance must be in (0, 1), got {opts.tolerance}")
-    slots = max(info.n_expert_used, min(info.n_expert, round(opts.residency * info.n_expert)))
+    slots = slots_for_residency(opts.residency, info.n_expert, info.n_expert_used)
     calib = opts.out / "calibration.txt"
     calib_text = calibration_text(opts.text.read_text(), opts.calib_offset, opts.calib_chars)
     if not calib.is_file() or calib.read_text() != calib_text:

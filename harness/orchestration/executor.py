@@ -19,7 +19,8 @@ from harness.core.records import Provenance, ResultsFile, make_record, utc_now
 from harness.domain.plan import RunSpec
 from harness.orchestration.serialise import bench_record, ppl_record
 from harness.tools.cgroup import MemoryCgroup
-from harness.tools.runners import Runner, ToolCrashedError
+from harness.tools.requests import Runner
+from harness.tools.runners import ToolCrashedError
 
 Progress = Callable[[int, int, str], None]  # (done, total, label of the run that starts or was skipped)
 

@@ -25,7 +25,7 @@ from harness.core.sizes import Size
 from harness.domain.catalogue import FRONTIER_BOUNDS, FRONTIER_FAMILIES, FRONTIER_PRESETS, FULL
 from harness.domain.costmodel import cache_work, estimate, load_profile
 from harness.domain.options import FrontierGrid, FrontierOptions
-from harness.domain.plan import SweepPoint, plan_slots
+from harness.domain.plan import SweepPoint, plan_slots, slots_for_residency
 from harness.domain.results import BoundCell, FrontierResult, FrontierRow, PresetCheck
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress
 from harness.orchestration.serialise import (
@@ -41,7 +41,7 @@ from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.frontier import pareto_front
 from harness.stats.intervals import paired_delta_ppl
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 EVICTS = ("lfu", "lru", "classlru")
 RENORMS = ("off", "on")
@@ -109,8 +109,8 @@ def window_of(m: str, k: int, n: int) -> str:
 
 
 def slots_of(fraction: float, info: ModelInfo) -> int:
-    """Slots per layer of a residency: round(fraction * n_expert), at least k (as the sweep's)."""
-    return max(info.n_expert_used, min(info.n_expert, round(fraction * info.n_expert)))
+    """Slots per layer of a residency: slots_for_residency (rounded as the engine), at least k (as the sweep's)."""
+    return slots_for_residency(fraction, info.n_expert, info.n_expert_used)
 
 
 def _family_points(family: str, g: FrontierGrid, fraction: float, slots: int, info: ModelInfo) -> list[SweepPoint]:

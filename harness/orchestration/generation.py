@@ -25,13 +25,14 @@ from harness.domain.generation import (
     generation_policy_items,
     summarize,
 )
+from harness.domain.plan import slots_for_residency
 from harness.orchestration.executor import Environment, Progress, no_progress, safe_name
 from harness.parsers.cache_stats import parse_cache_stats
 from harness.parsers.generation import Generation
 from harness.parsers.gguf_model import ModelInfo
 from harness.tools.datasets import Prompt, dataset_prompts, read_prompts
 from harness.tools.generate import GenerationRequest, generate
-from harness.tools.runners import CacheSpec
+from harness.tools.requests import CacheSpec
 
 
 def load_prompts(opts: GenerateOptions, root: Path | None = None) -> list[Prompt]:
@@ -78,7 +79,7 @@ def run_generation(opts: GenerateOptions, info: ModelInfo, *, env: Environment |
     for p in opts.policies:
         generation_policy_items(p)
     prompts = load_prompts(opts, root)
-    slots = max(info.n_expert_used, min(info.n_expert, round(opts.residency * info.n_expert)))
+    slots = slots_for_residency(opts.residency, info.n_expert, info.n_expert_used)
     builds = env.builds()
     prov = env.provenance(builds, opts.argv, env.gpu())
     fp = _fingerprint(opts, opts.model, prompts, slots, f"{prov.pin}/{prov.patch_series}")

@@ -10,13 +10,16 @@ Runs (keys are the resume keys):
 
 With `--ram SIZE` (plan_compare_ram) every run is made inside one memory cgroup of that limit (page cache counted):
 stock runs with mmap and `--repack 0` (its experts paged in from the file), the patched speed runs with
-`mode=engine,host=file,ram=SIZE,vram_reserve=R` (the engine sizes its banks by the ram= formula and reads missed
-experts from the file), both on the CPU; the quality runs are the same as without --ram, inside the same limit
-(with `--no-repack`).
+`mode=engine,host=file,slots=N` (missed experts read from the file), both on the CPU; the quality runs are the same
+as without --ram, inside the same limit (with `--no-repack`). N is the plan's: the engine's ram= formula
+(harness.domain.plan) applied once, for the largest context of the runs, and given to every patched run, quality and
+speed alike. (Passing `ram=SIZE` to the speed runs instead let the engine size each context's banks itself, so that
+one comparison could measure its quality at one residency and its speed at another.)
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from harness.core.errors import HarnessError
@@ -28,7 +31,7 @@ from harness.domain.plan import ENGINE_RESERVE, ComparePlan, RunSpec, SlotPlan, 
 from harness.orchestration.executor import safe_name
 from harness.parsers.gguf_model import ModelInfo
 from harness.tools.cgroup import MemoryCgroup
-from harness.tools.runners import BenchRequest, CacheSpec, PerplexityRequest, Placement
+from harness.tools.requests import BenchRequest, CacheSpec, PerplexityRequest, Placement
 
 DEFAULT_RESIDENCY = Size(fraction=0.25)
 
@@ -95,7 +98,8 @@ def plan_compare_ram(info: ModelInfo, limit: int, *, reserve_bytes: int = 0, n_c
                      quality: bool = True) -> ComparePlan:
     """Stock and patched on the CPU inside a memory cgroup of `limit` bytes: stock's experts through mmap, the
     engine's banks sized by its ram= formula (non-expert weights + context + reserve + slots), the rest in the
-    file. `reserve_bytes` 0 means the engine's default vram_reserve."""
+    file; the slots of that formula are every patched run's. `reserve_bytes` 0 means the engine's default
+    vram_reserve."""
     reserve = reserve_bytes or ENGINE_RESERVE
     ram = plan_ram(info, limit, reserve, n_ctx)
     slots = SlotPlan(limit, reserve, info.non_expert_bytes, info.bytes_per_expert, info.n_moe_layers, info.n_expert,
@@ -111,17 +115,11 @@ def plan_compare_ram(info: ModelInfo, limit: int, *, reserve_bytes: int = 0, n_c
 
 
 def ram_cache_spec(policy: str, plan: ComparePlan, stats: str) -> CacheSpec:
-    """A patched speed run of `policy` under --ram: the engine reads misses from the file, sized by ram=."""
+    """A patched speed run of `policy` under --ram: the engine reads misses from the file, with the plan's slots (the
+    quality runs' slots: one residency per comparison)."""
     assert plan.ram is not None
     spec = policy_cache_spec(policy, "engine", plan.slots.slots_per_layer, stats)
-    extra = (*spec.extra, ("host", "file"), ("ram", spec_size(plan.ram.limit)),
-             ("vram_reserve", spec_size(plan.ram.terms.reserve)))
-    return CacheSpec("engine", spec.policy, None, stats, extra)
-
-
-def spec_size(n: int) -> str:
-    """A size as the cache spec takes it: whole MiB as 512M, else bytes."""
-    return f"{n >> 20}M" if n % (1 << 20) == 0 else str(n)
+    return replace(spec, extra=(*spec.extra, ("host", "file")))
 
 
 def model_of(opts: CompareOptions) -> Path:
@@ -132,9 +130,7 @@ def model_of(opts: CompareOptions) -> Path:
 
 def plan_runs(opts: CompareOptions, plan: ComparePlan, cgroup: MemoryCgroup | None = None) -> list[RunSpec]:
     """The run matrix, in execution order: quality runs first, then interleaved speed repetitions. With --ram
-    (plan.ram) every run is made inside `cgroup`."""
-    from dataclasses import replace
-
+    (plan.ram) every run is made inside `cgroup`. Every patched run with the cache on gets the plan's slots."""
     runs: list[RunSpec] = []
     slots = plan.slots.slots_per_layer
     model = model_of(opts)

@@ -178,7 +178,8 @@ def compare_fingerprint(opts: CompareOptions, plan: ComparePlan, binaries: dict[
         "bench_cache_mode": opts.bench_cache_mode, "binaries": binaries,
     }
     if plan.ram is not None:  # only then: the fingerprints of earlier results stay what they were
-        d["ram"] = [plan.ram.limit, plan.ram.terms.reserve]
+        # "slots": the speed runs get the plan's slots (before, ram=: the engine's own, perhaps another residency)
+        d["ram"] = [plan.ram.limit, plan.ram.terms.reserve, "slots"]
     return _digest(d)
 
 

@@ -42,7 +42,7 @@ from harness.domain.costmodel import (
     stock_gpu_moe_layers,
     stock_work,
 )
-from harness.domain.plan import budget_terms
+from harness.domain.plan import budget_terms, slots_for_residency
 from harness.domain.results import SimRow
 from harness.parsers.base import ParseError
 from harness.parsers.gguf_model import ModelInfo
@@ -108,10 +108,10 @@ def check_residency(residency: str) -> str:
 
 
 def residency_slots(residency: str, n_expert: int) -> int:
-    """Slots per layer of a residency, rounded as the engine rounds (llama_expert_cache_config_n_slots)."""
+    """Slots per layer of a residency, as the engine gives them (slots_for_residency: its rounding, at least 1)."""
     r = check_residency(residency)
     if r.endswith("%"):
-        return max(1, min(n_expert, math.floor(n_expert * float(r[:-1]) / 100 + 0.5)))
+        return slots_for_residency(float(r[:-1]) / 100, n_expert)
     return int(r)
 
 

@@ -47,7 +47,7 @@ from harness.orchestration.sweep import sweep
 from harness.orchestration.topics import topic_shift
 from harness.parsers.nll_dump import NllDump, read_nll_dump_file
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 
 def _fmt(d: DeltaPPL) -> str:

@@ -9,7 +9,7 @@ from harness.domain.generation import GenerateOptions, GenerationResult
 from harness.domain.options import StudyOptions
 from harness.domain.results import Verdict
 from harness.orchestration.executor import Environment, Progress, no_progress
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 
 def composition_part(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runner | None = None,

@@ -74,14 +74,14 @@ def verify_ram(measured: Iterable[tuple[str, str, int | None, str]], limit_bytes
 
 
 def engine_slot_warnings(records: Iterable[dict[str, Any]], planned: int) -> list[str]:
-    """compare --ram: the slots per layer the engine chose from ram= (its statistics), where they differ from
-    the plan's (whose context is an estimate from the GGUF metadata)."""
+    """compare --ram: the slots per layer the engine ran with (its statistics), where they differ from the plan's,
+    which every patched run is given."""
     got: dict[str, set[int]] = {}
     for r in records:
         if r.get("kind") == "bench" and r.get("engine_slots") is not None:
             got.setdefault(str(r["config"]), set()).add(int(r["engine_slots"]))
-    return [f"{config}: the engine chose {', '.join(map(str, sorted(s)))} slots per layer from ram=, the plan "
-            f"{planned} (the plan's context is an estimate; the engine measures its own)"
+    return [f"{config}: the engine ran with {', '.join(map(str, sorted(s)))} slots per layer, not the plan's {planned} "
+            "that every run was given"
             for config, s in sorted(got.items()) if s != {planned}]
 
 

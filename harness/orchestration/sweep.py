@@ -21,7 +21,7 @@ from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, RULES
 from harness.domain.costmodel import cache_work, estimate, load_profile
 from harness.domain.options import FrontierOptions, SweepGrid, SweepOptions
-from harness.domain.plan import RunSpec, SweepPoint, plan_slots
+from harness.domain.plan import RunSpec, SweepPoint, plan_slots, slots_for_residency
 from harness.domain.results import MassHypothesis, SweepResult, SweepRow
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
 from harness.orchestration.serialise import (
@@ -36,12 +36,12 @@ from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.frontier import pareto_front
 from harness.stats.intervals import pearson_fisher
-from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
+from harness.tools.requests import CacheSpec, PerplexityRequest, Placement, Runner
 
 
 def grid_points(grid: SweepGrid, info: ModelInfo) -> list[SweepPoint]:
     """The grid's points in a fixed order. fetch-all never substitutes, so admission is moot there: one point
-    per eviction and residency. Slots per layer: round(fraction * n_expert), at least k."""
+    per eviction and residency. Slots per layer: slots_for_residency (rounded as the engine), at least k."""
     bad = [r for r in grid.rules if r not in RULES]
     if bad:
         raise HarnessError(f"unknown rule {', '.join(bad)}: use {', '.join(RULES)}")
@@ -56,7 +56,7 @@ def grid_points(grid: SweepGrid, info: ModelInfo) -> list[SweepPoint]:
     for fraction in grid.fractions:
         if not 0 < fraction <= 1:
             raise HarnessError(f"a residency fraction must be in (0, 1], got {fraction}")
-        slots = max(info.n_expert_used, min(info.n_expert, round(fraction * info.n_expert)))
+        slots = slots_for_residency(fraction, info.n_expert, info.n_expert_used)
         for evict in grid.evicts:
             for rule in grid.rules:
                 taus: Sequence[float | None] = grid.taus if rule == "threshold" else (None,)

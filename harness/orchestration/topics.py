@@ -24,7 +24,7 @@ from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import FULL, check_policies, is_preset, policy_cache_spec
 from harness.domain.options import TopicOptions
-from harness.domain.plan import RunSpec
+from harness.domain.plan import RunSpec, slots_for_residency
 from harness.domain.results import TopicResult, TopicRow
 from harness.orchestration.compare import default_model
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress
@@ -33,7 +33,7 @@ from harness.orchestration.summary import load_nlls
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
-from harness.tools.runners import CacheSpec, PerplexityRequest, Placement, Runner
+from harness.tools.requests import CacheSpec, PerplexityRequest, Placement, Runner
 
 DEFAULT_TEXT = Path("eval/data/topic-shift.txt")
 
@@ -138,7 +138,7 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
     if not text.is_file() or not segments_path.is_file():
         raise HarnessError(f"the topic-change analysis needs {text} and its segments {segments_path}")
     tokenizer = opts.tokenizer or _default_tokenizer(root)
-    slots = max(info.n_expert_used, min(info.n_expert, round(opts.fraction * info.n_expert)))
+    slots = slots_for_residency(opts.fraction, info.n_expert, info.n_expert_used)
     placement = Placement(n_cpu_moe=info.n_layers)
     on = policy_cache_spec(opts.policy, "emulate", slots, str(opts.out / "stats" / "on.json"))
     off = replace(policy_cache_spec(opts.policy, "emulate", slots, str(opts.out / "stats" / "off.json")),

@@ -58,9 +58,8 @@ def ram_plan_lines(plan: ComparePlan) -> list[str]:
         f"{format_bytes(r.cache_bytes)}); minimum {format_bytes(t.minimum)}",
         f"stock: mmap, --repack 0: all {format_bytes(i.expert_bytes)} of experts paged in from the file inside "
         "the limit",
-        f"patched: mode=engine,host=file,ram={format_bytes(r.limit)},vram_reserve={format_bytes(t.reserve)}: missed "
-        "experts read from the "
-        "model file into the banks",
+        f"patched: mode=engine,host=file,slots={r.slots_per_layer}: missed experts read from the model file into the "
+        f"banks; the quality runs (emulate) with the same {r.slots_per_layer} slots per layer",
     ]
 
 

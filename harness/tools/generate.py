@@ -16,7 +16,8 @@ from harness.parsers.base import ParseError
 from harness.parsers.generation import Generation, parse_generations
 from harness.tools.bindings import bindings_env, installed_bindings
 from harness.tools.datasets import Prompt
-from harness.tools.runners import CACHE_ENV_VAR, CacheSpec, run_tool
+from harness.tools.requests import CACHE_ENV_VAR, CacheSpec
+from harness.tools.runners import run_tool
 
 
 @dataclass(frozen=True)
