@@ -23,7 +23,7 @@ from harness.domain.results import CompareResult
 from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
-from harness.parsers.baseline import Baseline, read_baseline
+from harness.parsers.baseline import Baseline, read_baseline, tolerance_problem
 from harness.tools.runners import Runner
 
 # The full model runs the stock graph: its PPL is reproducible on one build and CPU. Across CPUs the native
@@ -123,6 +123,8 @@ class CheckResult:
 def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None, root: Path | None = None) -> CheckResult:
     root = root or project.project_root()
+    if opts.update and (problem := tolerance_problem(opts.tolerance_pct)):
+        raise HarnessError(f"--tolerance {opts.tolerance_pct!r} is {problem}")
     prepare_out_dir(opts.out)
     base = read_baseline(opts.baseline) if opts.baseline.is_file() else None
     if base is None and not opts.update:
