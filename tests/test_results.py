@@ -104,3 +104,40 @@ def test_a_complete_last_record_without_its_newline_gets_one(tmp_path: Path) -> 
     assert f.drop_torn_tail() is False
     f.append(make_record("b", "x", PROV, {}))
     assert [r["key"] for r in f.read()] == ["a", "b"]
+
+
+def test_an_undecodable_line_is_a_damaged_record(tmp_path: Path) -> None:
+    """Before: one non-UTF-8 byte in results.jsonl made `harness report` and a resuming `harness compare` die with
+    UnicodeDecodeError. Now that line is skipped with the warning a torn line gets, the others are read."""
+    path = tmp_path / "results.jsonl"
+    f = ResultsFile(path)
+    f.append(make_record("a", "x", PROV, {}))
+    f.append(make_record("b", "x", PROV, {}))
+    f.append(make_record("c", "x", PROV, {}))
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"b"', b'"\xff"')  # a flipped bit: not UTF-8 any more
+    path.write_bytes(b"\n".join(lines))
+    assert [r["key"] for r in f.read()] == ["a", "c"]
+    assert len(f.warnings) == 1 and ":2: damaged record skipped" in f.warnings[0]
+    # as the last line it is torn: a resumed run drops it, and appends after the good records
+    path.write_bytes(b"\n".join([lines[0], lines[2], lines[1]]) + b"\n")
+    assert f.drop_torn_tail() is True
+    assert [r["key"] for r in f.read()] == ["a", "c"] and f.warnings == []
+
+
+def test_an_unreadable_results_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error (EIO) reading results.jsonl: one line of HarnessError naming the file, not an OSError."""
+    import errno
+
+    path = tmp_path / "results.jsonl"
+    f = ResultsFile(path)
+    f.append(make_record("a", "x", PROV, {}))
+
+    def eio(self: Path) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Path, "read_bytes", eio)
+    for call in (f.read, f.drop_torn_tail):
+        with pytest.raises(HarnessError) as e:
+            call()
+        assert str(e.value) == f"cannot read the results {path}: Input/output error"

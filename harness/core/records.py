@@ -4,7 +4,8 @@ A record is a JSON object with at least `schema_version`, `key` (what run it is:
 `kind`, `finished` (UTC ISO time) and `provenance`. Records are appended and flushed one at a time, so a
 run interrupted with Ctrl-C keeps every record that finished; a torn last line (killed mid-write) is
 skipped on reading with a warning, and the run it belonged to is redone; a run that resumes the file drops
-that line first (ResultsFile.drop_torn_tail).
+that line first (ResultsFile.drop_torn_tail). A line that is not UTF-8 (a flipped bit, a foreign file) is a damaged
+record like a torn one; a file that cannot be read (EIO) is one line of HarnessError.
 """
 
 from __future__ import annotations
@@ -103,7 +104,10 @@ class ResultsFile:
         as it is (read skips it with a warning). A complete last record without its newline gets one."""
         if not self.path.is_file():
             return False
-        data = self.path.read_bytes()
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise HarnessError(f"cannot read the results {self.path}: {e.strerror or e}") from None
         body = data.rstrip(b"\n")
         start = body.rfind(b"\n") + 1
         last = body[start:]
@@ -130,14 +134,18 @@ class ResultsFile:
         of another schema version is an error (re-run into a new --out directory)."""
         if not self.path.is_file():
             return []
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise HarnessError(f"cannot read the results {self.path}: {e.strerror or e}") from None
         out: list[dict[str, Any]] = []
         self.warnings = []
-        for n, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
+        for n, raw in enumerate(data.split(b"\n"), 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except ValueError:
+                rec = json.loads(raw.decode("utf-8"))
+            except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
                 self.warnings.append(f"{self.path}:{n}: damaged record skipped (interrupted write?); "
                                      "its run will be redone")
                 continue

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.core.records import prepare_out_dir
 from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
@@ -125,6 +126,7 @@ def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runne
     root = root or project.project_root()
     if opts.update and (problem := tolerance_problem(opts.tolerance_pct)):
         raise HarnessError(f"--tolerance {opts.tolerance_pct!r} is {problem}")
+    refuse_special(opts.baseline, "--baseline")
     prepare_out_dir(opts.out)
     base = read_baseline(opts.baseline) if opts.baseline.is_file() else None
     if base is None and not opts.update:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import STOCK, check_policies
 from harness.domain.options import CompareOptions
@@ -202,6 +203,7 @@ def resolve_text(text: Path | None, dataset: str | None, root: Path | None = Non
 
         return dataset_text(dataset)
     path = text if text is not None else (root or project.project_root()) / DEFAULT_TEXT
+    refuse_special(path, "the text")
     try:
         with path.open("rb") as f:
             f.read(1)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.core.project import Build
 from harness.domain.catalogue import BASELINE_POLICY, DEFAULT_POLICIES, policy_items
 from harness.domain.costmodel import (
@@ -269,6 +270,7 @@ def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> Simulate
     from harness.core.project import get_build
     from harness.parsers.gguf_model import read_model_info
 
+    refuse_special(opts.trace, "--trace")
     if not opts.trace.is_file():
         raise HarnessError(f"no trace at {opts.trace}: record one with LLAMA_MOE_CACHE=...,trace=FILE")
     info = read_model_info(opts.model)
@@ -312,6 +314,7 @@ def parse_calibration_runs(text: str, source: str = "runs") -> list[tuple[TokenW
 def run_calibrate(runs_path: Path, base: str | Profile, out: Path, name: str | None = None) -> Profile:
     """Fit `base`'s constants to the measured runs (costmodel.calibrate, NNLS) and write the fitted profile to
     `out` as JSON (usable as `--profile out.json`, or as a packaged profile under harness/profiles/)."""
+    refuse_special(runs_path, "the measured runs")
     try:
         text = runs_path.read_text()
     except OSError as e:

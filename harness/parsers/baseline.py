@@ -54,7 +54,8 @@ def read_baseline(path: Path) -> Baseline:
         raise HarnessError(f"{path}: damaged baseline ({type(e).__name__}: {e})") from None
     problem = baseline_problem(base)
     if problem:
-        raise HarnessError(f"{path}: damaged baseline: {problem}; correct it, or delete it and write a new one with --update")
+        raise HarnessError(f"{path}: damaged baseline: {problem}; correct it, or delete it and write a new one with "
+                           "--update")
     return base
 
 

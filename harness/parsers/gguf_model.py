@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.errors import HarnessError, NotMoEError
+from harness.core.files import require_regular_file
 
 # Routed-expert tensors: blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias,scale}; shared experts
 # (ffn_*_shexp) are dense and stay on the device, as llama.cpp's --cpu-moe regex does.
@@ -91,10 +92,12 @@ def _field(reader: Any, key: str) -> Any:
 
 def read_model_info(path: str | Path) -> ModelInfo:
     p = Path(path)
-    if not p.is_file():
-        raise HarnessError(f"{p}: no such file")
-    with p.open("rb") as fh:
-        magic = fh.read(4)
+    require_regular_file(p, "the model")
+    try:
+        with p.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
     if magic != b"GGUF":
         raise HarnessError(f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
@@ -102,9 +105,11 @@ def read_model_info(path: str | Path) -> ModelInfo:
 
         reader = gguf.GGUFReader(str(p))
         tensors = list(reader.tensors)
+        file_bytes = p.stat().st_size
+    except OSError as e:  # an I/O error (EIO) of the file, not damage: say which
+        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on damage
         raise HarnessError(f"{p}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
-    file_bytes = p.stat().st_size
     for t in tensors:
         if t.data_offset + t.n_bytes > file_bytes:
             raise HarnessError(f"{p}: truncated GGUF file (tensor {t.name} ends past the end of the file)")

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.core.errors import HarnessError
+from harness.core.files import read_file_bytes, refuse_special
 
 __all__ = [
     "ExpertTrace", "TraceHeader", "RecordedActions", "read_expert_trace", "read_trace_header",
@@ -84,7 +85,7 @@ def _check_shape(path: str | Path, n_layer: int, n_expert: int, k: int, top_m: i
 
 
 def read_expert_trace(path: str | Path) -> ExpertTrace:
-    data = Path(path).read_bytes()
+    data = read_file_bytes(path, "the trace")
     if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
         raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
     version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", data, 8)
@@ -139,6 +140,7 @@ class TraceHeader:
 def read_trace_header(path: str | Path) -> TraceHeader:
     """The header and the record count, without reading the records (cheap on large traces)."""
     p = Path(path)
+    refuse_special(p, "the trace")
     try:
         with p.open("rb") as f:
             head = f.read(TRACE_HEADER_SIZE)
