@@ -181,6 +181,20 @@ def test_the_cgroup_goes_on_ctrl_c(ram_setup: tuple[CompareOptions, ModelInfo, R
     assert res.interrupted and env.cgroups[0].closed
 
 
+def test_stale_cgroups_removed_are_in_the_notes(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
+    opts, info, env = ram_setup
+    line = "removed the stale memory cgroup moe-subst-compare-99 of a harness that was killed (pid 99)"
+
+    class Cleaning(RamEnv):
+        def memory_cgroup(self, limit: int) -> MemoryCgroup:
+            cg = super().memory_cgroup(limit)
+            cg.cleaned = (line,)
+            return cg
+
+    res = run_compare(opts, RamRunner(), info, env=Cleaning(opts.out.parent))
+    assert line in res.notes
+
+
 def test_a_different_limit_is_another_configuration(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
     opts, info, env = ram_setup
     run_compare(dataclasses.replace(opts, speed=False), RamRunner(), info, env=env)

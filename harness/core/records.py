@@ -4,13 +4,13 @@ A record is a JSON object with at least `schema_version`, `key` (what run it is:
 `kind`, `finished` (UTC ISO time) and `provenance`. Records are appended and flushed one at a time, so a
 run interrupted with Ctrl-C keeps every record that finished; a torn last line (killed mid-write) is
 skipped on reading with a warning, and the run it belonged to is redone; a run that resumes the file drops
-that line first (ResultsFile.drop_torn_tail).
+that line first (ResultsFile.drop_torn_tail). A line that is not UTF-8 (a flipped bit, a foreign file) is a
+damaged record like a torn one; a file that cannot be read (EIO) is one line of HarnessError.
 
 One writer per results folder: `prepare_out_dir` takes an exclusive lock (flock on DIR/.harness.lock, which names its
 holder), held until the process exits, so that two runs into one --out cannot both append every record (the report
 counted each run twice, its speeds measured while both competed); the second is one line naming the first. The
-kernel releases the lock when its holder dies, even by SIGKILL: a lock is never stale. A line that is not UTF-8 (a flipped bit, a foreign file) is a damaged
-record like a torn one; a file that cannot be read (EIO) is one line of HarnessError.
+kernel releases the lock when its holder dies, even by SIGKILL: a lock is never stale.
 """
 
 from __future__ import annotations

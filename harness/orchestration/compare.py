@@ -114,6 +114,7 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     meta = {"command": "compare", "options": options_json(opts, COMPARE_OPTION_KEYS), "threads_note": threads_note}
     if limit is not None:
         with env.memory_cgroup(limit) as cgroup:
+            notes.extend(cgroup.cleaned)
             outcome = execute_runs(plan_runs(opts, plan, cgroup), runner, builds, prov, fp, results, progress,
                                    meta=meta)
     else:
