@@ -206,3 +206,76 @@ def test_drop_page_cache_takes_a_file(tmp_path: Path) -> None:
     drop_page_cache(f)
     with pytest.raises(FileNotFoundError):
         drop_page_cache(tmp_path / "missing")
+
+
+def _written(path: Path, size: int) -> Path:
+    """A file of `size` random bytes, written back to disk (DONTNEED drops clean pages only), then read: cached."""
+    with path.open("wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    path.read_bytes()
+    return path
+
+
+def _resident_bytes(path: Path) -> int:
+    """How much of `path` is in the page cache now (mincore(2) over a mapping that touches nothing)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    n_pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    with path.open("rb") as f:
+        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        anchor = ctypes.c_char.from_buffer(m)  # the mapping's address, for mincore
+        vec = (ctypes.c_ubyte * n_pages)()
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+        del anchor
+        assert rc == 0, f"mincore: errno {ctypes.get_errno()}"
+        return sum(v & 1 for v in vec) * mmap.PAGESIZE
+    finally:
+        m.close()
+
+
+def test_drop_page_cache_drops_the_files_pages(tmp_path: Path) -> None:
+    """Before, the test only called it; a no-op passed. Now: a cached file is (almost) all resident before and
+    (almost) none of it after."""
+    f = _written(tmp_path / "f", 32 * MiB)
+    assert _resident_bytes(f) >= 30 * MiB  # cached: the check below can tell a drop from none
+    drop_page_cache(f)
+    assert _resident_bytes(f) <= 2 * MiB
+
+
+def _cache_bytes(cg: MemoryCgroup) -> int:
+    """The page cache charged to the cgroup itself now (v1 memory.stat `cache`, v2 `file`)."""
+    assert cg.path is not None
+    key = "cache" if cg.version == 1 else "file"
+    for line in (cg.path / "memory.stat").read_text().splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    raise AssertionError(f"no {key} in memory.stat")
+
+
+_READ_BY_MMAP = ("import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
+                 "print(sum(m[i] for i in range(0, len(m), mmap.PAGESIZE)))")
+
+
+def test_page_cache_is_charged_to_the_tools_cgroup(tmp_path: Path) -> None:
+    """The premise of `compare --ram` and scripts/bench_tiers.py: a model a tool reads through mmap counts against
+    the tool's cgroup, because run_tool drops the model from the page cache first. Without the drop, pages cached
+    before (here by writing the file) stay charged where they were and the tool's cgroup sees almost none: the
+    limit would not hold the tool to what it reads."""
+    size = 48 * MiB
+    model = _written(tmp_path / "model.bin", size)
+    with _real(256 * MiB) as cg:
+        out = run_tool(Path(sys.executable), ["-c", _READ_BY_MMAP, str(model)], cgroup=cg, uncached=model,
+                       sample_gpu=False)
+        assert _cache_bytes(cg) >= size - 4 * MiB, _cache_bytes(cg)  # the file's pages, charged here
+        assert out.peak_ram_bytes is not None and out.peak_ram_bytes >= size
+    _written(model, size)  # cached again, charged to this process's cgroup
+    with _real(256 * MiB) as cg:
+        run_tool(Path(sys.executable), ["-c", _READ_BY_MMAP, str(model)], cgroup=cg, uncached=None, sample_gpu=False)
+        assert _cache_bytes(cg) < 8 * MiB, _cache_bytes(cg)  # not dropped first: not charged to the tool
