@@ -87,6 +87,9 @@ def test_a_tool_is_not_started_with_a_special_file_in_its_cache_spec(tmp_path: P
     run_tool(tool, ["-m", str(tmp_path / "m.gguf")], env={CACHE_ENV_VAR: f"mode=emulate,{key}={tmp_path / 'out'}"},
              sample_gpu=False)  # a path that does not exist yet (an output) is fine
     assert marker.exists()
+    marker.unlink()
+    run_tool(tool, [], env={CACHE_ENV_VAR: f"mode=emulate,{key}=/dev/stdout"}, sample_gpu=False)
+    assert marker.exists()  # a standard stream is open already: allowed, as the engine allows it
 
 
 @pytest.mark.parametrize(("flag", "what"), [("-m", "the model"), ("-f", "the text"), ("--nll-dump", "--nll-dump"),
@@ -145,6 +148,31 @@ def test_the_key_list_is_the_engines(tmp_path: Path) -> None:
     sources = sorted((Path(__file__).parents[1] / "src").rglob("*.cpp"))  # the spec parser, wherever it lives
     line = next(ln for f in sources for ln in f.read_text().splitlines() if "key == \"profile\" ||" in ln)
     assert sorted(k for k in CACHE_PATH_KEYS) == sorted(line.split('"')[1::2])
+
+
+@pytest.mark.build
+def test_the_tools_refuse_a_fifo_without_the_harness(tmp_path: Path, fifo: Path, patched_build: Any,
+                                                     synth_text_file: Path) -> None:
+    """The engine's own check (src/llama/llama-expert-paths.h), for users who run the tools directly: a FIFO as
+    stats=, profile_out=, profile= or trace= is refused when the spec is parsed, and llama-moe-sim's --trace and
+    --stats, in one line; before, the tool blocked forever in open()."""
+    import subprocess
+
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    model = write_synth_model(SynthSpec(), tmp_path / "m.gguf")
+    base = {k: v for k, v in os.environ.items() if k != CACHE_ENV_VAR}
+    for key in CACHE_PATH_KEYS:
+        env = {**base, CACHE_ENV_VAR: f"mode=emulate,policy=quality,slots=50%,{key}={fifo}"}
+        res = subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(model), "-f",
+                              str(synth_text_file), "-c", "128", "--chunks", "1", "-t", "2"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0, key
+        assert f"{key}={fifo} is a FIFO (named pipe), not a regular file" in res.stdout + res.stderr, key
+    sim = str(patched_build.tool("llama-moe-sim"))
+    res = subprocess.run([sim, "--trace", str(fifo), "--spec", "policy=quality,slots=4"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode != 0 and f"--trace {fifo} is a FIFO (named pipe)" in res.stderr, res.stderr
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ other end (a `harness compare` that hangs forever, or a tool that does) and a de
 `special_kind(path)` names what a path is when it is not a regular file; `require_regular_file` is for inputs that
 must exist (the model, the text, a trace); `refuse_special` for paths that may not exist yet (an output such as the
 cache's `stats=`). `CACHE_PATH_KEYS` are the cache spec's keys that take a file path (src/llama/
-llama-expert-policy.cpp parses the same four); `check_cache_paths` checks them in a spec's items.
+llama-expert-policy.cpp parses the same four, and refuses the same files: src/llama/llama-expert-paths.h);
+`check_cache_paths` checks them in a spec's items, a standard stream (/dev/stdout, ...) allowed as the engine allows
+it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 from harness.core.errors import HarnessError
 
 CACHE_PATH_KEYS = ("stats", "trace", "profile", "profile_out")
+# a process's own standard streams: open already, so opening them again never blocks (the engine allows them too,
+# src/llama/llama-expert-paths.h)
+STANDARD_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/stdin", "/dev/fd/", "/proc/self/fd/")
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
@@ -58,7 +63,7 @@ def require_regular_file(path: str | os.PathLike[str], what: str) -> None:
 def check_cache_paths(items: Iterable[tuple[str, str]]) -> None:
     """Refuse a special file given to one of CACHE_PATH_KEYS (the tool would block opening it)."""
     for key, value in items:
-        if key in CACHE_PATH_KEYS:
+        if key in CACHE_PATH_KEYS and not value.startswith(STANDARD_STREAMS):
             refuse_special(value, f"{key}=")
 
 

@@ -1,4 +1,5 @@
 #include "llama-expert-policy.h"
+#include "llama-expert-paths.h"
 
 #include <algorithm>
 #include <cctype>
@@ -463,6 +464,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             if (val.empty()) {
                 return bad_value(err, key, val, "a file path");
             }
+            if (!llama_expert_path_check(key + "=", val, err)) { return false; } // a FIFO would block open()
             if (key == "profile")     { cfg.profile     = val; }
             if (key == "profile_out") { cfg.profile_out = val; }
             if (key == "stats")       { cfg.stats       = val; }
