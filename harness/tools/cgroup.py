@@ -82,8 +82,10 @@ def _pid_start_time(pid: int) -> float | None:
     return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def stale_cgroups(parent: Path, *, start_time: Callable[[int], float | None] = _pid_start_time) -> list[tuple[Path,
-                                                                                                              int]]:
+StartTime = Callable[[int], float | None]  # a pid's start (seconds since the epoch), None: no such process
+
+
+def stale_cgroups(parent: Path, *, start_time: StartTime = _pid_start_time) -> list[tuple[Path, int]]:
     """The cgroups below `parent` named as ours (STALE_NAME) whose owner is gone: no process of that pid, or one
     that started after the cgroup was made (the pid reused). This process's own are never stale."""
     out: list[tuple[Path, int]] = []
