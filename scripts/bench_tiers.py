@@ -251,6 +251,8 @@ def main() -> int:
         cg = MemoryCgroup(limit, "moe-subst-bench")
     except HarnessError as e:
         sys.exit(f"bench_tiers: {e}")
+    for line in cg.cleaned:
+        print(f"bench_tiers: {line}", flush=True)
 
     def stop(signum: int, frame: object) -> None:
         cg.close()

@@ -168,3 +168,60 @@ def test_update_of_a_version_1_baseline_takes_this_runs_tolerance(tmp_path: Path
     check(CheckOptions(**{**opts.__dict__, "update": True, "out": tmp_path / "u2"}), runner=FakeRunner(),
           env=FakeEnv(tmp_path), root=tmp_path)
     assert json.loads(opts.baseline.read_text())["tolerance_pct"] == 0.2
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"tolerance_pct": float("inf")}, "tolerance_pct is inf, not a finite number of percentage points >= 0"),
+    ({"tolerance_pct": float("nan")}, "tolerance_pct is nan, not a finite"),
+    ({"tolerance_pct": -0.5}, "tolerance_pct is -0.5, not a finite"),
+    ({"full_ppl": float("nan")}, "full_ppl is nan, not a finite perplexity > 0"),
+    ({"full_ppl": 0.0}, "full_ppl is 0.0"),
+    ({"policies": {"quality": {"delta_pct": float("-inf"), "low": 0, "high": 0}}},
+     "policy quality's delta_pct is -inf, not a finite number"),
+])
+def test_a_baseline_that_cannot_gate_is_damaged(tmp_path: Path, edit: dict[str, object], message: str) -> None:
+    p = tmp_path / "b.json"
+    doc = {**_base(-50.0).to_json(), **edit}
+    p.write_text(json.dumps(doc))  # writes Infinity and NaN, which Python's json reads back
+    with pytest.raises(HarnessError) as e:
+        read_baseline(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: damaged baseline: {message}") and "--update" in msg, msg
+
+
+def test_an_infinite_tolerance_fails_the_gate_instead_of_passing(tmp_path: Path, synth_models: dict[str, Path],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a baseline with "tolerance_pct": Infinity passed a policy 50 points worse with exit 0; NaN and a
+    negative tolerance were reported as regressions. Now the command stops with one line, exit 2."""
+    from harness.cli.app import main
+
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path),
+          root=tmp_path)
+    doc = json.loads(opts.baseline.read_text())
+    for key in ("delta_pct", "low", "high"):  # the policy is now 50 points worse than the baseline
+        doc["policies"]["quality"][key] -= 50
+    for tol in (float("inf"), float("nan"), -1.0):
+        opts.baseline.write_text(json.dumps({**doc, "tolerance_pct": tol}))
+        with pytest.raises(HarnessError, match="damaged baseline: tolerance_pct"):
+            check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "o2"}), runner=FakeRunner(),
+                  env=FakeEnv(tmp_path), root=tmp_path)
+        assert main(["check", "--baseline", str(opts.baseline), "--out", str(tmp_path / "o3")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("harness: error: ") and "damaged baseline" in err and "\n" not in err, err
+    # a finite tolerance of the same baseline gates as before: the 50-point regression fails
+    opts.baseline.write_text(json.dumps({**doc, "tolerance_pct": 0.5}))
+    res = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "o4"}), runner=FakeRunner(),
+                env=FakeEnv(tmp_path), root=tmp_path)
+    assert not res.passed and "REGRESSION" in next(ln for ln in res.lines if ln.policy == "quality").message
+
+
+@pytest.mark.parametrize("tol", [float("inf"), float("nan"), -0.1])
+def test_update_refuses_a_tolerance_that_cannot_gate(tmp_path: Path, synth_models: dict[str, Path],
+                                                     tol: float) -> None:
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    runner = FakeRunner()
+    with pytest.raises(HarnessError, match=r"--tolerance .* is not a finite number of percentage points >= 0"):
+        check(CheckOptions(**{**opts.__dict__, "update": True, "tolerance_pct": tol}), runner=runner,
+              env=FakeEnv(tmp_path), root=tmp_path)
+    assert runner.calls == [] and not opts.baseline.exists()

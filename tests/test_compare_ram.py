@@ -210,6 +210,20 @@ def test_the_cgroup_goes_on_ctrl_c(ram_setup: tuple[CompareOptions, ModelInfo, R
     assert res.interrupted and env.cgroups[0].closed
 
 
+def test_stale_cgroups_removed_are_in_the_notes(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
+    opts, info, env = ram_setup
+    line = "removed the stale memory cgroup moe-subst-compare-99 of a harness that was killed (pid 99)"
+
+    class Cleaning(RamEnv):
+        def memory_cgroup(self, limit: int) -> MemoryCgroup:
+            cg = super().memory_cgroup(limit)
+            cg.cleaned = (line,)
+            return cg
+
+    res = run_compare(opts, RamRunner(), info, env=Cleaning(opts.out.parent))
+    assert line in res.notes
+
+
 def test_a_different_limit_is_another_configuration(ram_setup: tuple[CompareOptions, ModelInfo, RamEnv]) -> None:
     opts, info, env = ram_setup
     run_compare(dataclasses.replace(opts, speed=False), RamRunner(), info, env=env)
@@ -280,7 +294,8 @@ def test_compare_ram_end_to_end(stock_build: Build, patched_build: Build, synth_
     records = [r for r in ResultsFile(opts.out / "results.jsonl").read() if r["kind"] != "meta"]
     assert {r["key"] for r in records} == {"ppl:full", "ppl:stock", "ppl:fetch-all", "ppl:quality", "bench:stock:0",
                                            "bench:fetch-all:0", "bench:quality:0"}
-    for r in records:  # stock and patched both ran inside the cgroup, and stayed in it
+    for r in records:  # stock and patched both ran inside the cgroup (peak > 0; <= limit is the kernel's doing: that
+        # the limit binds the tools, page cache counted, is test_the_limit_binds_a_model_bigger_than_it)
         assert r["ram_limit_bytes"] == limit and 0 < r["peak_ram_bytes"] <= limit, r["key"]
         assert r["peak_ram_source"].startswith("cgroup v")
     bench = {r["config"]: r for r in records if r["kind"] == "bench"}
@@ -299,6 +314,104 @@ def test_compare_ram_end_to_end(stock_build: Build, patched_build: Build, synth_
 
     again = reload_compare(opts.out)
     assert again.plan.ram is not None and again.budget.memory == "RAM" and again.budget.ok
+
+
+@pytest.mark.build
+def test_the_limit_binds_a_model_bigger_than_it(stock_build: Build, patched_build: Build, tmp_path: Path) -> None:
+    """What `peak <= limit` cannot show (the kernel enforces it): that the limit binds the benchmark, page cache
+    counted. A 196 MiB model under a 91 MiB limit: stock llama-bench reads it through mmap, and its peak in the cgroup
+    is the limit (the kernel reclaimed page cache there), where its anonymous memory is under 10 MiB; so the page
+    cache was charged to the benchmark's cgroup, as compare --ram's premise needs (run_tool drops the model from the
+    page cache first: pages cached elsewhere would not be charged). The engine runs to the end under the same limit
+    with the plan's slots (its mmap'd weights are read ahead at load, so it also meets the limit and is reclaimed)."""
+    try:
+        MemoryCgroup(64 * MiB, "moe-subst-probe").close()
+    except CgroupError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    model = write_synth_model(SynthSpec(n_layer=4, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
+                              tmp_path / "m.gguf")
+    info = read_model_info(model)
+    reserve = 32 * MiB
+    terms = ram_budget_terms(info, reserve, kv_cache_bytes(info, 8))
+    limit = terms.fixed + 8 * terms.per_slot
+    assert info.file_bytes > 2 * limit  # the model does not fit: stock must be held to the limit
+    opts = CompareOptions(out=tmp_path / "out", model=model, ram=Size(bytes=limit), reserve_bytes=reserve,
+                          policies=("fetch-all",), runs=1, n_prompt=0, n_gen=8, threads=2, quality=False,
+                          argv=("pytest",))
+    res = compare(opts)
+    peaks = {r["key"]: r["peak_ram_bytes"] for r in ResultsFile(opts.out / "results.jsonl").read()
+             if r["kind"] == "bench"}
+    assert set(peaks) == {"bench:stock:0", "bench:fetch-all:0"}
+    assert limit - 2 * MiB <= peaks["bench:stock:0"] <= limit, (peaks, limit)  # held at the limit, cache counted
+    assert res.plan.slots.slots_per_layer == 8 and res.budget.ok, res.budget.message
+    assert "peaked at the limit: there the kernel reclaimed page cache" in res.budget.message
+
+
+@pytest.mark.build
+def test_a_sigkilled_compare_is_cleaned_up_by_the_next_run(stock_build: Build, patched_build: Build,
+                                                          tmp_path: Path) -> None:
+    """Before: SIGKILL of `harness compare --ram` left its moe-subst-compare-<pid> cgroup, and the llama-bench running
+    in it, behind; the next run did not remove them. Now the next cgroup made beside it (the next compare --ram, or
+    bench_tiers) removes the cgroup and ends what still runs in it, with a note."""
+    import signal
+    import subprocess
+    import time
+
+    try:
+        probe = MemoryCgroup(64 * MiB, "moe-subst-probe")
+    except CgroupError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    assert probe.path is not None
+    parent = probe.path.parent
+    probe.close()
+    model = write_synth_model(SynthSpec(), tmp_path / "m.gguf")
+    argv = ["compare", "--model", str(model), "--ram", "1G", "--reserve", "100M", "--policies", "fetch-all", "--runs",
+            "2", "--no-quality", "--n-prompt", "16", "--n-gen", "2048", "--threads", "1", "--out", str(tmp_path / "o")]
+    harness = subprocess.Popen([sys.executable, "-m", "harness", *argv], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    cgroup = parent / f"moe-subst-compare-{harness.pid}"
+    tools: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not tools and time.monotonic() < deadline and harness.poll() is None:
+            try:
+                tools = [int(x) for x in (cgroup / "cgroup.procs").read_text().split()]
+            except OSError:
+                pass
+            time.sleep(0.02)
+        assert tools, f"no tool ran in {cgroup}: {harness.poll()} {harness.stderr.read() if harness.stderr else ''}"
+        harness.send_signal(signal.SIGKILL)
+        harness.wait()
+        assert cgroup.is_dir()  # what SIGKILL leaves behind (and, for a while, the running llama-bench)
+        nxt = MemoryCgroup(64 * MiB, "moe-subst-probe")
+        nxt.close()
+        assert not cgroup.exists()
+        lines = [line for line in nxt.cleaned if cgroup.name in line]
+        assert len(lines) == 1 and lines[0].startswith(f"removed the stale memory cgroup {cgroup.name} of a harness "
+                                                       f"that was killed (pid {harness.pid})"), nxt.cleaned
+        assert not any(_alive(pid) for pid in tools)
+    finally:  # the harness and its tools are this test's own processes
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait()
+        for pid in tools:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if cgroup.exists():
+            for _ in range(50):
+                try:
+                    cgroup.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 if __name__ == "__main__":

@@ -406,11 +406,13 @@ def test_profile_round_trip(cache_models: dict[str, Path], text_file: Path, tmp_
     assert a.stats is not None
     assert [len(c) for c in counts] == [N_EXPERT] * N_LAYER
     assert [sum(c) for c in counts] == [layer["calls"] for layer in a.stats["layers"]]
-    # warm start from the profile: fewer misses than the cold start from experts 0..15
+    # warm start from the profile: fewer misses than the cold start from experts 0..15 (measured 2026-12-01: 3182
+    # against 3189 of 9216 calls; the warm start helps only until the cold cache has filled, so the margin is small,
+    # but every decision is deterministic here)
     b = run_ppl(patched_build, model, text_file, tmp_path / "b", f"policy=fetch-all,slots=25%,profile={prof}")
     check_ok(b)
     assert b.stats is not None
-    assert b.stats["total"]["misses"] != a.stats["total"]["misses"]
+    assert b.stats["total"]["misses"] < a.stats["total"]["misses"], (b.stats["total"], a.stats["total"])
     assert a.nll is None  # (not requested)
     bad = run_ppl(patched_build, model, text_file, tmp_path / "c", f"policy=fetch-all,profile={tmp_path / 'nope'}",
                   stats=False, want="cannot open profile")

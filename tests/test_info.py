@@ -127,3 +127,44 @@ def test_cli_info_names_the_mtp_layer(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["info", str(model)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "4, of which MoE: 2; the last 1 NextN/MTP" in out
+
+
+class _EioFile:
+    """A file object whose reads fail as a failing disk's do (EIO)."""
+
+    def __enter__(self) -> "_EioFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def read(self, n: int = -1) -> bytes:
+        import errno
+
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def test_an_io_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `harness info` on a file whose read fails (EIO) died with OSError. Now: one line naming the model and
+    the error, both where the magic is read and inside the GGUF reader (numpy's memmap)."""
+    import errno
+
+    model = _write(tmp_path / "m.gguf", n_expert=8)
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: _EioFile() if self == model else real_open(self, *a, **k))
+    with pytest.raises(HarnessError) as e:
+        read_model_info(model)
+    assert str(e.value) == f"cannot read the model {model}: Input/output error"
+    assert main(["info", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"harness: error: cannot read the model {model}: Input/output error"
+    monkeypatch.setattr(Path, "open", real_open)
+
+    def eio_reader(path: str, *a: object, **k: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(gguf, "GGUFReader", eio_reader)
+    with pytest.raises(HarnessError) as e:
+        read_model_info(model)
+    assert str(e.value) == f"cannot read the model {model}: Input/output error"  # not "damaged or truncated"

@@ -252,3 +252,39 @@ def test_simulator_prefetch_on_other_traces(models: dict[str, Path], text: Path,
     assert res.returncode == 2
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and "prefetch=on replays the predictions of a version-2 trace" in err[0], res.stderr
+
+
+@pytest.mark.build
+def test_prefetch_predicts_better_than_a_random_predictor(models: dict[str, Path], text: Path, tmp_path: Path,
+                                                          patched_build: Build, sim_tool: Path) -> None:
+    """`prefetch_used > 0` alone would pass a random predictor: a randomly chosen expert is used by some token now
+    and then. The baseline here is one: the same trace, its predictions replaced by k distinct random experts
+    wherever the engine predicted, replayed by llama-moe-sim (the engine's policy code) with prefetch=on. The
+    engine's predictions (the next layer's router on this layer's input) must make clearly more of their
+    prefetches used."""
+    import dataclasses
+
+    spec = "policy=fetch-all,slots=25%,prefetch=on"
+    trace = tmp_path / "trace.bin"
+    run = run_ppl(patched_build, models["qwen3moe"], text, tmp_path / "emu",
+                  f"mode=emulate,{spec},trace={trace},trace_top={N_EXPERT}")
+    assert run.stats is not None
+    t = read_expert_trace(trace)
+    rec = t.records.copy()
+    predicted = rec["pred"][:, 0] >= 0
+    rng = np.random.default_rng(0)
+    rec["pred"][predicted] = np.argsort(rng.random((int(predicted.sum()), t.n_expert)), axis=1)[:, :t.k]
+    random_trace = write_expert_trace(tmp_path / "random.bin", dataclasses.replace(t, records=rec))
+
+    def used_share(path: Path, name: str) -> float:
+        res = sim(sim_tool, path, spec, tmp_path / f"{name}.json")
+        assert res.returncode in (0, 3), res.stderr  # 3: decisions other than the recorded run's (the random one)
+        total = json.loads((tmp_path / f"{name}.json").read_text())["total"]
+        assert total["prefetches"] > 0
+        return float(total["prefetch_used"] / total["prefetches"])
+
+    engine, chance = used_share(trace, "engine"), used_share(random_trace, "random")
+    t_emu = run.stats["total"]
+    assert engine == pytest.approx(t_emu["prefetch_used"] / t_emu["prefetches"])  # the replay is the run
+    assert engine >= 2.5 * chance, (engine, chance)  # measured: 0.24 against 0.06
+

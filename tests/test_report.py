@@ -128,3 +128,37 @@ def test_rerender_dispatches_on_the_meta_record(tmp_path: Path, synth_models: di
     assert "## Quality" in r.markdown and "## Speed" not in r.markdown
     with pytest.raises(HarnessError, match="no results"):
         rerender(tmp_path)
+
+
+def test_report_on_a_file_says_what_it_takes(tmp_path: Path, synth_models: dict[str, Path],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `harness report MODEL.gguf` died with UnicodeDecodeError (the model read as JSON Lines). Now a file
+    that is not a results.jsonl is one line saying what the command takes; a damaged line in results.jsonl is
+    skipped with a warning and the report is still rendered."""
+    from harness.cli.app import main
+    from harness.orchestration.rerender import rerender
+
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"\xff\xfe not a results file")
+    for path, what in ((synth_models["qwen3moe"], "a GGUF model (a moved model goes with --model FILE)"),
+                       (other, "a file")):
+        with pytest.raises(HarnessError) as e:
+            rerender(path)
+        assert str(e.value) == (f"{path} is {what}, not a results folder: harness report takes the --out folder of "
+                                "a compare, sweep or frontier run (or the results.jsonl in it)")
+        assert main(["report", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("harness: error: ") and "\n" not in err and "Traceback" not in err
+    text = tmp_path / "t.txt"
+    text.write_text("text")
+    opts = CompareOptions(out=tmp_path / "out", model=synth_models["qwen3moe"], text=text, runs=1,
+                          policies=("quality",), speed=False)
+    compare(opts, runner=FileFake(), env=FakeEnv(tmp_path))
+    results = tmp_path / "out" / "results.jsonl"
+    lines = results.read_bytes().split(b"\n")
+    lines.insert(1, b'{"key": "\xff"}')  # one undecodable record, then a report's and a resumed run's reading
+    results.write_bytes(b"\n".join(lines))
+    assert main(["report", str(tmp_path / "out")]) == 0
+    assert "## Quality" in (tmp_path / "out" / "report.md").read_text()
+    again = compare(opts, runner=FileFake(), env=FakeEnv(tmp_path))  # resumes: nothing to redo, no traceback
+    assert again.n_run == 0 and any("damaged record skipped" in w for w in again.warnings)

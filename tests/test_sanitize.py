@@ -86,3 +86,33 @@ def test_spec_fuzz_under_asan_and_ubsan(tmp_path: Path, policy_obj: list[Path]) 
     res = _run(exe, "--fuzz", "20000", "7")
     assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
     assert res.stdout.startswith("fuzz: 20000 specs,"), res.stdout
+
+
+def _script_options(reports_dir: Path) -> dict[str, str]:
+    """ASAN_OPTIONS and UBSAN_OPTIONS as scripts/sanitize.sh exports them, its reports folder replaced."""
+    env = dict(ENV)
+    for line in (ROOT / "scripts" / "sanitize.sh").read_text().splitlines():
+        for name in ("ASAN_OPTIONS", "UBSAN_OPTIONS"):
+            if line.startswith(f'export {name}="'):
+                env[name] = line.split('"')[1].replace("$reports_dir", str(reports_dir))
+    assert "log_path=" in env["ASAN_OPTIONS"] and "log_path=" in env["UBSAN_OPTIONS"], env
+    return env
+
+
+def test_sanitize_sh_keeps_a_report_on_an_error_path(tmp_path: Path) -> None:
+    """Before, scripts/sanitize.sh grepped the output of failing tests only; a report on an error path (a refusal
+    test expects a non-zero exit, so it passes) was never seen. Now the reports go to log_path files, which the
+    script counts after every run: a planted bug on an error path, run with the script's options, exits non-zero as
+    the refusal would, prints nothing of the report, and leaves it in reports/asan.<pid>."""
+    src = tmp_path / "refusal.cpp"
+    src.write_text("#include <vector>\n#include <cstdio>\nint main(int argc, char **) {\n"
+                   "    std::vector<int> v(4, 1);\n"
+                   "    std::fprintf(stderr, \"error: bad value (%d)\\n\", v.data()[3 + argc]);\n    return 1;\n}\n")
+    exe = _build(tmp_path, "refusal", src)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=_script_options(reports))
+    assert res.returncode != 0 and not _reports(res), res.stdout + res.stderr  # a refusal test would pass
+    files = [f for f in reports.iterdir() if f.stat().st_size > 0]
+    assert len(files) == 1 and files[0].name == f"asan.{files[0].name.split('.')[-1]}", files
+    assert "ERROR: AddressSanitizer" in files[0].read_text()

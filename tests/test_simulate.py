@@ -186,7 +186,10 @@ def test_default_residencies_too_small_for_k_are_skipped(hand_trace: Path, monke
     result = sim.simulate(sim.SimulateOptions(hand_trace, Path("hand.gguf"), ("quality",)), runner)
     assert [(r.policy, r.residency) for r in result.rows] == [
         ("quality", "25%"), ("fetch-all", "25%"), ("quality", "50%"), ("fetch-all", "50%")]
-    assert result.notes == ("residency 10% skipped: 1 slots per layer, fewer than the 2 experts used per token",)
+    assert result.notes == (
+        f"the trace {hand_trace} carries no fingerprint of the model it was recorded on (this build's engine writes "
+        "none yet): that it was recorded on hand.gguf is not checked",
+        "residency 10% skipped: 1 slots per layer, fewer than the 2 experts used per token")
 
     runner = FakeSimRunner({})
     with pytest.raises(HarnessError, match=r"residency 10% is 1 slots per layer; this model needs between 2 "
@@ -218,6 +221,63 @@ def test_cli_simulate_residency_errors_and_notes(hand_trace: Path, monkeypatch: 
     out, err = capsys.readouterr()
     assert "harness: note: residency 10% skipped" in err
     assert [ln.split()[0] for ln in out.splitlines()[2:6]] == ["quality", "fetch-all", "quality", "fetch-all"]
+
+
+def test_a_trace_of_another_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a trace recorded on another model of the same shape was replayed with this model's sizes (2.48x where
+    the right model gives 0.86x). Now a trace whose header carries a model fingerprint is checked against the model:
+    another model's is one line; the same model's passes without a note; a trace without one gets a note."""
+    from harness.cli import main
+    from harness.orchestration.simulate import check_trace_model
+    from harness.parsers.gguf_model import model_fingerprint
+    from harness.parsers.trace import read_trace_header, synthetic_trace, write_expert_trace
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    a = write_synth_model(SynthSpec(seed=0), tmp_path / "a.gguf")
+    b = write_synth_model(SynthSpec(seed=1), tmp_path / "b.gguf")  # the same shape, other weights
+    fa, fb = model_fingerprint(a), model_fingerprint(b)
+    assert fa != fb and fa == model_fingerprint(a) and 0 not in (fa, fb)
+    spec = SynthSpec()
+    t = synthetic_trace(n_layer=spec.n_layer, n_expert=spec.n_expert, k=spec.n_expert_used, n_tokens=8, seed=0)
+    trace = write_expert_trace(tmp_path / "t.bin", dataclasses.replace(t, fingerprint=fa))
+    assert read_trace_header(trace).fingerprint == fa
+    assert check_trace_model(trace, a) == ()
+    with pytest.raises(HarnessError) as e:
+        check_trace_model(trace, b)
+    assert str(e.value) == (f"the trace {trace} was recorded on another model than {b} (model fingerprint {fa:016x} "
+                            f"in the trace, {fb:016x} of this model): pass the model the trace was recorded with")
+    assert main(["simulate", "--trace", str(trace), "--model", str(b)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("harness: error: the trace ") and "another model" in err and "\n" not in err
+    old = write_expert_trace(tmp_path / "old.bin", t)  # no fingerprint (0): as the engine of this pin writes
+    (note,) = check_trace_model(old, b)
+    assert "carries no fingerprint of the model it was recorded on" in note
+
+
+def test_the_fingerprint_definition_by_hand(tmp_path: Path) -> None:
+    """model_fingerprint as docs/expert-cache.md defines it, recomputed here from the tensors (what the engine's
+    writer must compute the same way)."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    from harness.parsers.gguf_model import fnv1a64, model_fingerprint
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    assert fnv1a64(b"") == 0xCBF29CE484222325 and fnv1a64(b"a") == 0xAF63DC4C8601EC8C  # FNV-1a 64 test vectors
+    path = write_synth_model(SynthSpec(n_layer=2, seed=4), tmp_path / "m.gguf")
+    r = gguf.GGUFReader(str(path))
+    t = {x.name: x for x in r.tensors}
+    data = b""
+    for il in (0, 1):
+        data += struct.pack("<Q", il)
+        for kind in ("gate", "up", "down"):
+            x = t[f"blk.{il}.ffn_{kind}_exps.weight"]
+            data += struct.pack("<4Q", *map(int, x.shape), int(x.tensor_type))
+        router = t[f"blk.{il}.ffn_gate_inp.weight"]
+        data += struct.pack("<Q", int(router.n_bytes)) + bytes(np.asarray(router.data).view(np.uint8).ravel()[:4096])
+    assert model_fingerprint(path) == fnv1a64(data)
 
 
 def test_per_token_rates_when_the_last_layer_decides_fewer_tokens(hand_trace: Path) -> None:

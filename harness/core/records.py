@@ -4,15 +4,23 @@ A record is a JSON object with at least `schema_version`, `key` (what run it is:
 `kind`, `finished` (UTC ISO time) and `provenance`. Records are appended and flushed one at a time, so a
 run interrupted with Ctrl-C keeps every record that finished; a torn last line (killed mid-write) is
 skipped on reading with a warning, and the run it belonged to is redone; a run that resumes the file drops
-that line first (ResultsFile.drop_torn_tail).
+that line first (ResultsFile.drop_torn_tail). A line that is not UTF-8 (a flipped bit, a foreign file) is a
+damaged record like a torn one; a file that cannot be read (EIO) is one line of HarnessError.
+
+One writer per results folder: `prepare_out_dir` takes an exclusive lock (flock on DIR/.harness.lock, which names its
+holder), held until the process exits, so that two runs into one --out cannot both append every record (the report
+counted each run twice, its speeds measured while both competed); the second is one line naming the first. The
+kernel releases the lock when its holder dies, even by SIGKILL: a lock is never stale.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -76,7 +84,62 @@ def prepare_out_dir(out: Path) -> Path:
         raise HarnessError(f"--out {out}: cannot create the results folder: {e.strerror or e}") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise HarnessError(f"--out {out}: the results folder is not writable")
+    lock_out_dir(out)
     return out
+
+
+LOCK_NAME = ".harness.lock"
+_held: dict[tuple[str, int, int], int] = {}  # a locked folder (path, st_dev, st_ino) -> its lock file's descriptor
+
+
+def lock_out_dir(out: Path) -> None:
+    """Make this process the only writer of the results folder `out` until it exits (or release_out_dir): an
+    exclusive flock on out/.harness.lock, which then names this process. Another process's lock is one line of
+    HarnessError naming it. Taking a folder this process already holds is a no-op (check runs compare into its own
+    folder). A file system without flock (some network ones) goes unlocked."""
+    key = _key(out)
+    if key in _held:
+        return
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the tools (O_CLOEXEC)
+    except OSError as e:
+        raise HarnessError(f"--out {out}: cannot make the lock file {LOCK_NAME}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise HarnessError(f"--out {out} is in use by another harness run ({holder}): wait for it to finish, or "
+                           "pass another --out folder") from None
+    except OSError:  # ENOLCK, EOPNOTSUPP: no locks on this file system
+        os.close(fd)
+        return
+    argv = " ".join(sys.argv).replace("\n", " ")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}: {argv} (since {utc_now()})\n".encode(), 0)
+    _held[key] = fd
+
+
+def release_out_dir(out: Path) -> None:
+    """Give up this process's lock of `out` (a no-op when it holds none)."""
+    fd = _held.pop(_key(out), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _key(out: Path) -> tuple[str, int, int]:
+    st = out.stat()
+    return str(out.resolve()), st.st_dev, st.st_ino
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it (it writes right after taking the lock: wait a moment for it)."""
+    for _ in range(20):
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        if text:
+            return text.splitlines()[0]
+        time.sleep(0.05)
+    return "a process that has not said which yet"
 
 
 class ResultsFile:
@@ -103,7 +166,10 @@ class ResultsFile:
         as it is (read skips it with a warning). A complete last record without its newline gets one."""
         if not self.path.is_file():
             return False
-        data = self.path.read_bytes()
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise HarnessError(f"cannot read the results {self.path}: {e.strerror or e}") from None
         body = data.rstrip(b"\n")
         start = body.rfind(b"\n") + 1
         last = body[start:]
@@ -130,14 +196,18 @@ class ResultsFile:
         of another schema version is an error (re-run into a new --out directory)."""
         if not self.path.is_file():
             return []
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise HarnessError(f"cannot read the results {self.path}: {e.strerror or e}") from None
         out: list[dict[str, Any]] = []
         self.warnings = []
-        for n, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
+        for n, raw in enumerate(data.split(b"\n"), 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except ValueError:
+                rec = json.loads(raw.decode("utf-8"))
+            except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
                 self.warnings.append(f"{self.path}:{n}: damaged record skipped (interrupted write?); "
                                      "its run will be redone")
                 continue

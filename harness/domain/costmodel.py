@@ -32,6 +32,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.parsers.gguf_model import ModelInfo
 
 GB = 1e9
@@ -69,6 +70,7 @@ def load_profile(name: str) -> Profile:
 
 def load_profile_file(path: str | Path) -> Profile:
     """A profile from a JSON file (such as `harness calibrate` writes), outside the packaged ones."""
+    refuse_special(path, "the hardware profile")
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:

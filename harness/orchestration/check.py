@@ -22,6 +22,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.core.records import prepare_out_dir
 from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
@@ -29,7 +30,7 @@ from harness.domain.results import CompareResult, QualityRow
 from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
-from harness.parsers.baseline import SCHEMA_VERSION, Baseline, read_baseline
+from harness.parsers.baseline import SCHEMA_VERSION, Baseline, read_baseline, tolerance_problem
 from harness.tools.requests import Runner
 
 # The full model runs the stock graph: its PPL is reproducible on one build and CPU. Across CPUs the native
@@ -166,6 +167,9 @@ class CheckResult:
 def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None, root: Path | None = None) -> CheckResult:
     root = root or project.project_root()
+    if opts.update and (problem := tolerance_problem(opts.tolerance_pct)):
+        raise HarnessError(f"--tolerance {opts.tolerance_pct!r} is {problem}")
+    refuse_special(opts.baseline, "--baseline")
     prepare_out_dir(opts.out)
     base = read_baseline(opts.baseline) if opts.baseline.is_file() else None
     if base is None and not opts.update:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import STOCK, check_policies
 from harness.domain.options import CompareOptions
@@ -114,6 +115,7 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     meta = {"command": "compare", "options": options_json(opts, COMPARE_OPTION_KEYS), "threads_note": threads_note}
     if limit is not None:
         with env.memory_cgroup(limit) as cgroup:
+            notes.extend(cgroup.cleaned)
             outcome = execute_runs(plan_runs(opts, plan, cgroup), runner, builds, prov, fp, results, progress,
                                    meta=meta)
     else:
@@ -203,6 +205,7 @@ def resolve_text(text: Path | None, dataset: str | None, root: Path | None = Non
 
         return dataset_text(dataset)
     path = text if text is not None else (root or project.project_root()) / DEFAULT_TEXT
+    refuse_special(path, "the text")
     try:
         with path.open("rb") as f:
             f.read(1)

@@ -34,6 +34,9 @@ def rerender(out: Path, *, model: Path | None = None, plots: bool = False) -> Re
     path = out / "results.jsonl" if out.is_dir() else out
     if not path.is_file():
         raise HarnessError(f"no results at {path}: pass the --out folder of a compare or sweep run")
+    if path.suffix != ".jsonl":
+        raise HarnessError(f"{out} is {_what_file(out)}, not a results folder: harness report takes the --out folder "
+                           "of a compare, sweep or frontier run (or the results.jsonl in it)")
     folder = path.parent
     meta = next((r for r in ResultsFile(path).read() if r.get("kind") == "meta"), None)
     command = str(meta.get("command")) if meta else ""
@@ -70,3 +73,13 @@ def rerender(out: Path, *, model: Path | None = None, plots: bool = False) -> Re
     report = folder / "report.md"
     report.write_text(md)
     return Rerendered(command, terminal, md, report, figures, notes)
+
+
+def _what_file(path: Path) -> str:
+    """'a GGUF model (pass it as --model)' or 'a file', from the file's first bytes."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError:
+        magic = b""
+    return "a GGUF model (a moved model goes with --model FILE)" if magic == b"GGUF" else "a file"

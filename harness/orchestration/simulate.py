@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 from harness.core.project import Build
 from harness.domain.catalogue import BASELINE_POLICY, DEFAULT_POLICIES, policy_items
 from harness.domain.costmodel import (
@@ -168,6 +169,24 @@ def check_trace_matches(trace: Path, info: ModelInfo) -> None:
         raise HarnessError(f"the trace {trace} holds no records (no token was decided)")
 
 
+def check_trace_model(trace: Path, model: Path) -> tuple[str, ...]:
+    """A trace recorded on another model (its header's fingerprint is not `model`'s: gguf_model.model_fingerprint)
+    is one line of HarnessError: its expert sizes and routing are another model's, and so would every estimate be.
+    A trace without a fingerprint (0: every trace this pin's engine writes) gives a note that it cannot be checked."""
+    from harness.parsers.gguf_model import model_fingerprint
+
+    recorded = read_trace_header(trace).fingerprint
+    if recorded == 0:
+        return (f"the trace {trace} carries no fingerprint of the model it was recorded on (this build's engine "
+                f"writes none yet): that it was recorded on {model} is not checked",)
+    mine = model_fingerprint(model)
+    if recorded != mine:
+        raise HarnessError(f"the trace {trace} was recorded on another model than {model} (model fingerprint "
+                           f"{recorded:016x} in the trace, {mine:016x} of this model): pass the model the trace was "
+                           "recorded with")
+    return ()
+
+
 def _feasible(residency: str, info: ModelInfo) -> bool:
     return info.n_expert_used <= residency_slots(residency, info.n_expert) <= info.n_expert
 
@@ -269,10 +288,12 @@ def simulate(opts: SimulateOptions, runner: SimRunner | None = None) -> Simulate
     from harness.core.project import get_build
     from harness.parsers.gguf_model import read_model_info
 
+    refuse_special(opts.trace, "--trace")
     if not opts.trace.is_file():
         raise HarnessError(f"no trace at {opts.trace}: record one with LLAMA_MOE_CACHE=...,trace=FILE")
     info = read_model_info(opts.model)
     residencies, notes = plan_residencies(opts.residencies, info)
+    notes = (*check_trace_model(opts.trace, opts.model), *notes)
     if runner is None:
         runner = ToolSimRunner(get_build("patched"))
     return SimulateResult(tuple(run_simulate(opts.trace, info, opts.policies, residencies, opts.profile, runner)),
@@ -312,6 +333,7 @@ def parse_calibration_runs(text: str, source: str = "runs") -> list[tuple[TokenW
 def run_calibrate(runs_path: Path, base: str | Profile, out: Path, name: str | None = None) -> Profile:
     """Fit `base`'s constants to the measured runs (costmodel.calibrate, NNLS) and write the fitted profile to
     `out` as JSON (usable as `--profile out.json`, or as a packaged profile under harness/profiles/)."""
+    refuse_special(runs_path, "the measured runs")
     try:
         text = runs_path.read_text()
     except OSError as e:

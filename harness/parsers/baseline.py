@@ -7,11 +7,16 @@ Version 2 adds, per policy, the substitution rate and substituted gate mass of t
 substituting is a regression too), and `tolerance_scale`: a policy's delta-PPL must stay within its baseline's
 95% interval widened by `tolerance_scale` x the interval's width + `tolerance_pct` points, in either direction.
 Version 1 files (one-sided gate, no substitution figures) are read with `tolerance_scale` 0.5 and their
-`tolerance_pct` as the floor; their substitution checks are skipped with a note."""
+`tolerance_pct` as the floor; their substitution checks are skipped with a note.
+
+Python's json reads `Infinity` and `NaN`: a tolerance that is not a finite number >= 0 would pass anything
+(Infinity) or fail everything as a regression (NaN, negative), and a non-finite figure of the full model or a
+policy means nothing, so each is a damaged baseline."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +60,39 @@ def read_baseline(path: Path) -> Baseline:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("schema_version") not in READABLE_VERSIONS:
         raise HarnessError(f"{path} is not a {SCHEMA} version {SCHEMA_VERSION} file")
     try:
-        return Baseline(str(doc["model"]), str(doc["text"]), int(doc["n_ctx"]),
+        base = Baseline(str(doc["model"]), str(doc["text"]), int(doc["n_ctx"]),
                         int(doc["chunks"]) if doc.get("chunks") is not None else None, float(doc["tolerance_pct"]),
                         float(doc["full_ppl"]),
                         {str(k): {kk: float(vv) for kk, vv in v.items()} for k, v in doc["policies"].items()},
                         float(doc.get("tolerance_scale", DEFAULT_TOLERANCE_SCALE)), int(doc["schema_version"]))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise HarnessError(f"{path}: damaged baseline ({type(e).__name__}: {e})") from None
+    problem = baseline_problem(base)
+    if problem:
+        raise HarnessError(f"{path}: damaged baseline: {problem}; correct it, or delete it and write a new one with "
+                           "--update")
+    return base
+
+
+def tolerance_problem(tolerance_pct: float) -> str:
+    """Why a tolerance cannot gate anything ('' if it can): it must be a finite number of points >= 0 (Infinity
+    would pass any regression, NaN or a negative one fail every policy)."""
+    if not math.isfinite(tolerance_pct) or tolerance_pct < 0:
+        return "not a finite number of percentage points >= 0"
+    return ""
+
+
+def baseline_problem(base: Baseline) -> str:
+    """The first figure of a baseline that cannot be gated against ('' if none): the tolerance, the full model's
+    PPL (finite, > 0) and every policy's figures (finite)."""
+    if problem := tolerance_problem(base.tolerance_pct):
+        return f"tolerance_pct is {base.tolerance_pct!r}, {problem}"
+    if problem := tolerance_problem(base.tolerance_scale):
+        return f"tolerance_scale is {base.tolerance_scale!r}, {problem.replace('of percentage points ', '')}"
+    if not (math.isfinite(base.full_ppl) and base.full_ppl > 0):
+        return f"full_ppl is {base.full_ppl!r}, not a finite perplexity > 0"
+    for name, figures in base.policies.items():
+        for key, value in figures.items():
+            if not math.isfinite(value):
+                return f"policy {name}'s {key} is {value!r}, not a finite number"
+    return ""

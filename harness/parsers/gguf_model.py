@@ -12,11 +12,15 @@ them ("model has unused tensor"), so they take no memory, and the expert cache h
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from harness.core.errors import HarnessError, NotMoEError
+from harness.core.files import require_regular_file
 
 # Routed-expert tensors: blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias,scale}; shared experts
 # (ffn_*_shexp) are dense and stay on the device, as llama.cpp's --cpu-moe regex does.
@@ -91,10 +95,12 @@ def _field(reader: Any, key: str) -> Any:
 
 def read_model_info(path: str | Path) -> ModelInfo:
     p = Path(path)
-    if not p.is_file():
-        raise HarnessError(f"{p}: no such file")
-    with p.open("rb") as fh:
-        magic = fh.read(4)
+    require_regular_file(p, "the model")
+    try:
+        with p.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
     if magic != b"GGUF":
         raise HarnessError(f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
@@ -102,9 +108,11 @@ def read_model_info(path: str | Path) -> ModelInfo:
 
         reader = gguf.GGUFReader(str(p))
         tensors = list(reader.tensors)
+        file_bytes = p.stat().st_size
+    except OSError as e:  # an I/O error (EIO) of the file, not damage: say which
+        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on damage
         raise HarnessError(f"{p}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
-    file_bytes = p.stat().st_size
     for t in tensors:
         if t.data_offset + t.n_bytes > file_bytes:
             raise HarnessError(f"{p}: truncated GGUF file (tensor {t.name} ends past the end of the file)")
@@ -204,3 +212,43 @@ def _kv_bytes_per_cell(reader: Any, arch: str, n_layers: int) -> int:
         dv = int(v_len) if v_len is not None else int(n_embd) // h
         total += hkv * (dk + dv) * 2
     return total
+
+
+FINGERPRINT_ROUTER_BYTES = 4096  # of each router's weights, from its start
+_FNV_OFFSET, _FNV_PRIME, _U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
+_EXPERT_KINDS = ("gate", "up", "down", "gate_up")
+
+
+def fnv1a64(data: bytes, h: int = _FNV_OFFSET) -> int:
+    """64-bit FNV-1a of `data`, continuing from `h`."""
+    for b in data:
+        h = ((h ^ b) * _FNV_PRIME) & _U64
+    return h
+
+
+def model_fingerprint(path: str | Path) -> int:
+    """The fingerprint of a model for its router traces (docs/expert-cache.md, "Router trace"): 64-bit FNV-1a over,
+    for each MoE layer of the trunk (NextN/MTP layers excepted) in order: the layer index; for each routed-expert
+    weight tensor of the layer in the order gate, up, down, gate_up (those present): ne0, ne1, ne2 and its ggml type;
+    the router weights' (ffn_gate_inp.weight) byte size and their first FINGERPRINT_ROUTER_BYTES bytes as stored;
+    every number a little-endian uint64. Two models of the same shape differ in their routers; 0 is never a
+    fingerprint (it means none, and becomes 1)."""
+    info = read_model_info(path)
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    h = _FNV_OFFSET
+    for il in info.moe_layers:
+        h = fnv1a64(struct.pack("<Q", il), h)
+        for kind in _EXPERT_KINDS:
+            t = by_name.get(f"blk.{il}.ffn_{kind}_exps.weight")
+            if t is not None:
+                ne = [int(x) for x in t.shape] + [1] * (3 - len(t.shape))
+                h = fnv1a64(struct.pack("<4Q", *ne[:3], int(t.tensor_type)), h)
+        router = by_name.get(f"blk.{il}.ffn_gate_inp.weight")
+        if router is None:
+            raise HarnessError(f"{path}: MoE layer {il} has no router (blk.{il}.ffn_gate_inp.weight)")
+        raw = np.asarray(router.data).view(np.uint8).reshape(-1)
+        h = fnv1a64(struct.pack("<Q", int(router.n_bytes)) + raw[:FINGERPRINT_ROUTER_BYTES].tobytes(), h)
+    return h or 1

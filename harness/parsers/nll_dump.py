@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.core.errors import HarnessError
+from harness.core.files import read_file_bytes
 
 NLL_MAGIC = b"LLNLLDMP"
 NLL_VERSION = 1
@@ -31,7 +32,7 @@ class NllDump:
 
 
 def read_nll_dump_file(path: str | Path) -> NllDump:
-    data = Path(path).read_bytes()
+    data = read_file_bytes(path, "the NLL dump")
     if len(data) < 32 or data[:8] != NLL_MAGIC:
         raise HarnessError(f"{path}: not a llama-perplexity NLL dump (no {NLL_MAGIC!r} header)")
     version, n_ctx, first, n_chunk = struct.unpack_from("<4I", data, 8)

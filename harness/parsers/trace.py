@@ -4,6 +4,10 @@
 tests need: the header alone, a writer (the exact byte layout the engine writes, so traces round-trip),
 decode order, counts of the recorded actions, and synthetic traces with a skewed, drifting expert popularity
 for benchmarks of `llama-moe-sim`.
+
+The header's first reserved words (offset 40, uint64) hold the fingerprint of the model the trace was recorded on
+(harness.parsers.gguf_model.model_fingerprint; docs/expert-cache.md), 0 where the writer gave none: the engine of
+this pin writes 0 still, so every trace it records reads as one without a fingerprint.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.core.errors import HarnessError
+from harness.core.files import read_file_bytes, refuse_special
 
 __all__ = [
     "ExpertTrace", "TraceHeader", "RecordedActions", "read_expert_trace", "read_trace_header",
@@ -26,6 +31,7 @@ TRACE_MAGIC = b"MOETRACE"
 TRACE_VERSION = 2  # 2: + pred[k], the previous MoE layer's prediction (prefetch); version 1 is still read
 TRACE_VERSIONS = (1, 2)
 TRACE_HEADER_SIZE = 64
+TRACE_FINGERPRINT_OFFSET = 40  # uint64 in the first two reserved words: the model's fingerprint, 0 for none
 MAX_EXPERTS = 1 << 16  # far above any model's experts per layer (llama.cpp: LLAMA_MAX_EXPERTS)
 
 ACTION_HIT = 0
@@ -45,6 +51,7 @@ class ExpertTrace:
     n_slots: int
     # fields: layer, token, ids[k], weights[k], used[k], action[k], top_ids, top_score; version 2: pred[k] (-1: none)
     records: npt.NDArray[np.void]
+    fingerprint: int = 0  # of the model it was recorded on (model_fingerprint); 0: none
 
     @property
     def has_pred(self) -> bool:
@@ -84,10 +91,11 @@ def _check_shape(path: str | Path, n_layer: int, n_expert: int, k: int, top_m: i
 
 
 def read_expert_trace(path: str | Path) -> ExpertTrace:
-    data = Path(path).read_bytes()
+    data = read_file_bytes(path, "the trace")
     if len(data) < TRACE_HEADER_SIZE or data[:8] != TRACE_MAGIC:
         raise HarnessError(f"{path}: not an expert-cache router trace (no {TRACE_MAGIC!r} header)")
     version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", data, 8)
+    (fingerprint,) = struct.unpack_from("<Q", data, TRACE_FINGERPRINT_OFFSET)
     _check_version(path, version, hsize)
     _check_shape(path, n_layer, n_expert, k, top_m, rsize, version)
     dt = trace_dtype(k, top_m, version)
@@ -96,7 +104,7 @@ def read_expert_trace(path: str | Path) -> ExpertTrace:
         raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
     records = np.frombuffer(data, dtype=dt, offset=hsize)
     _check_records(path, records, n_layer, n_expert, top_m)
-    return ExpertTrace(version, n_layer, n_expert, k, top_m, n_slots, records)
+    return ExpertTrace(version, n_layer, n_expert, k, top_m, n_slots, records, fingerprint)
 
 
 def _check_records(path: str | Path, rec: npt.NDArray[np.void], n_layer: int, n_expert: int, top_m: int) -> None:
@@ -130,6 +138,7 @@ class TraceHeader:
     record_size: int
     n_slots: int  # slots per layer of the recorded run
     n_records: int  # token-layers
+    fingerprint: int = 0  # of the model it was recorded on (gguf_model.model_fingerprint); 0: none
 
     @property
     def file_size(self) -> int:
@@ -139,6 +148,7 @@ class TraceHeader:
 def read_trace_header(path: str | Path) -> TraceHeader:
     """The header and the record count, without reading the records (cheap on large traces)."""
     p = Path(path)
+    refuse_special(p, "the trace")
     try:
         with p.open("rb") as f:
             head = f.read(TRACE_HEADER_SIZE)
@@ -150,17 +160,18 @@ def read_trace_header(path: str | Path) -> TraceHeader:
     if len(head) < TRACE_HEADER_SIZE:
         raise HarnessError(f"{path}: truncated trace header ({len(head)} bytes)")
     version, hsize, n_layer, n_expert, k, top_m, rsize, n_slots = struct.unpack_from("<8I", head, 8)
+    (fingerprint,) = struct.unpack_from("<Q", head, TRACE_FINGERPRINT_OFFSET)
     _check_version(path, version, hsize)
     _check_shape(path, n_layer, n_expert, k, top_m, rsize, version)
     body = size - TRACE_HEADER_SIZE
     if body % rsize:
         raise HarnessError(f"{path}: truncated trace ({body} bytes of records, not a multiple of {rsize})")
-    return TraceHeader(version, n_layer, n_expert, k, top_m, rsize, n_slots, body // rsize)
+    return TraceHeader(version, n_layer, n_expert, k, top_m, rsize, n_slots, body // rsize, fingerprint)
 
 
 def header_of(trace: ExpertTrace) -> TraceHeader:
     return TraceHeader(trace.version, trace.n_layer, trace.n_expert, trace.k, trace.top_m,
-                       trace.records.dtype.itemsize, trace.n_slots, len(trace.records))
+                       trace.records.dtype.itemsize, trace.n_slots, len(trace.records), trace.fingerprint)
 
 
 def write_expert_trace(path: str | Path, trace: ExpertTrace) -> Path:
@@ -173,8 +184,11 @@ def write_expert_trace(path: str | Path, trace: ExpertTrace) -> Path:
     if trace.records.dtype != dt:
         raise HarnessError(f"trace records have dtype {trace.records.dtype}, not the version-{trace.version} layout "
                            f"for k={trace.k}, top_m={trace.top_m}")
-    header = TRACE_MAGIC + struct.pack("<14I", trace.version, TRACE_HEADER_SIZE, trace.n_layer, trace.n_expert,
-                                       trace.k, trace.top_m, dt.itemsize, trace.n_slots, 0, 0, 0, 0, 0, 0)
+    if not 0 <= trace.fingerprint < 1 << 64:
+        raise HarnessError(f"trace fingerprint {trace.fingerprint} is not a uint64")
+    header = TRACE_MAGIC + struct.pack("<8IQ4I", trace.version, TRACE_HEADER_SIZE, trace.n_layer, trace.n_expert,
+                                       trace.k, trace.top_m, dt.itemsize, trace.n_slots, trace.fingerprint,
+                                       0, 0, 0, 0)
     assert len(header) == TRACE_HEADER_SIZE
     out = Path(path)
     with out.open("wb") as f:

@@ -7,15 +7,22 @@ memory.max_usage_in_bytes), `close()` removes it (also on Ctrl-C: `with MemoryCg
 drops a file's clean pages from the page cache (posix_fadvise DONTNEED, no root needed), so that no run inherits
 another's cache; `check_ram_limit()` refuses a limit above MemAvailable less a margin (never starve the machine).
 Used by `harness compare --ram` and scripts/bench_tiers.py.
+
+A harness killed by SIGKILL cannot remove its cgroup, and the tool running in it (llama-bench) keeps running. So
+making a cgroup first removes the stale ones beside it (`remove_stale_cgroups`): only ours, by name
+(`moe-subst[-word...]-<pid>`), and only those whose owner pid is dead (or now another process, started after the
+cgroup was made); their processes, the dead harness's tools, are killed first. `MemoryCgroup.cleaned` says what was
+removed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +64,109 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+STALE_NAME = re.compile(r"^moe-subst(?:-[a-z]+)*-(\d+)$")  # the names MemoryCgroup gives: prefix-<owner pid>
+
+
+def _pid_start_time(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch, from /proc), None when it does not exist. A zombie
+    counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                     if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    if fields[0] in ("Z", "X"):
+        return None
+    return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+StartTime = Callable[[int], float | None]  # a pid's start (seconds since the epoch), None: no such process
+
+
+def stale_cgroups(parent: Path, *, start_time: StartTime = _pid_start_time) -> list[tuple[Path, int]]:
+    """The cgroups below `parent` named as ours (STALE_NAME) whose owner is gone: no process of that pid, or one
+    that started after the cgroup was made (the pid reused). This process's own are never stale."""
+    out: list[tuple[Path, int]] = []
+    try:
+        entries = sorted(parent.iterdir())
+    except OSError:
+        return out
+    for d in entries:
+        m = STALE_NAME.match(d.name)
+        if m is None or not d.is_dir():
+            continue
+        owner = int(m.group(1))
+        if owner == os.getpid():
+            continue
+        started = start_time(owner)
+        try:
+            made = d.stat().st_ctime
+        except OSError:
+            continue
+        if started is None or started > made + 1.0:
+            out.append((d, owner))
+    return out
+
+
+def remove_stale_cgroups(parent: Path) -> list[str]:
+    """Remove the stale cgroups below `parent` (stale_cgroups), killing the processes left in each (the dead
+    harness's tools) first. One line per cgroup for the user: what was removed, or why it could not be."""
+    lines: list[str] = []
+    for path, owner in stale_cgroups(parent):
+        killed: dict[int, str] = {}  # pid -> its command name
+        for _ in range(50):
+            pids = _cgroup_pids(path)
+            if not pids:
+                break
+            for pid in pids:
+                killed.setdefault(pid, _comm(pid))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        try:
+            _rmdir_retrying(path)
+        except OSError as e:
+            lines.append(f"could not remove the stale memory cgroup {path} of a killed harness (pid {owner}): "
+                         f"{e.strerror}; rmdir it by hand")
+            continue
+        ended = ", ".join(f"{name} (pid {pid})" for pid, name in killed.items())
+        what = f", and ended what still ran in it: {ended}" if ended else ""
+        lines.append(f"removed the stale memory cgroup {path.name} of a harness that was killed (pid {owner}){what}")
+    return lines
+
+
+def _cgroup_pids(path: Path) -> list[int]:
+    try:
+        return [int(x) for x in (path / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or "a process"
+    except OSError:
+        return "a process"
+
+
+def _rmdir_retrying(path: Path, tries: int = 50) -> None:
+    """rmdir a cgroup, retrying for tries/10 s while the kernel finishes its last exits."""
+    for i in range(tries):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if i == tries - 1:
+                raise
+            time.sleep(0.1)
+
+
 def _own_cgroup_dir(root: Path, proc_cgroup: str) -> tuple[Path, int]:
     """The folder of this process's memory cgroup and the hierarchy's version (2 where the unified hierarchy has
     the memory controller, else 1)."""
@@ -81,13 +191,17 @@ class PeakMeter:
 
 
 class MemoryCgroup:
-    """A memory cgroup with a limit, below this process's memory cgroup; removed by close()."""
+    """A memory cgroup with a limit, below this process's memory cgroup; removed by close(). Making it removes the
+    stale cgroups of killed harness runs beside it first (`cleaned`: one line for each)."""
+
+    cleaned: tuple[str, ...] = ()
 
     def __init__(self, limit: int, prefix: str = "moe-subst", *, root: Path = CGROUP_ROOT,
                  proc_cgroup: str | None = None) -> None:
         self.limit = limit
         own, self.version = _own_cgroup_dir(root, proc_cgroup if proc_cgroup is not None
                                             else Path("/proc/self/cgroup").read_text())
+        self.cleaned = tuple(remove_stale_cgroups(own))
         self.path: Path | None = own / f"{prefix}-{os.getpid()}"
         self.limit_file = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
         self.peak_file = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
@@ -201,13 +315,11 @@ class MemoryCgroup:
         path, self.path = self.path, None
         if path is None or not path.exists():
             return
-        for _ in range(50):
-            try:
-                path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise HarnessError(f"could not remove the memory cgroup {path} (a process still in it?): rmdir it by hand")
+        try:
+            _rmdir_retrying(path)
+        except OSError:
+            raise HarnessError(f"could not remove the memory cgroup {path} (a process still in it?): rmdir it by "
+                               "hand") from None
 
     def __enter__(self) -> MemoryCgroup:
         """Inside `with`, SIGTERM raises KeyboardInterrupt (like Ctrl-C), so that the cgroup is removed."""

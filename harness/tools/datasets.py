@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from harness.core.errors import HarnessError
+from harness.core.files import refuse_special
 
 T = TypeVar("T")
 
@@ -124,6 +125,7 @@ def read_prompts(path: Path) -> list[Prompt]:
     """A prompt file: JSON Lines of {"id", "kind", "text"} (eval/data/gen-prompts.jsonl); one-line errors."""
     import json
 
+    refuse_special(path, "the prompt file")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.core.errors import HarnessError
+from harness.core.files import check_cache_paths, refuse_special
 from harness.core.project import Build, with_log_drain
 from harness.core.sizes import format_bytes
 from harness.parsers import (
@@ -134,6 +135,7 @@ def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None =
     tool runs inside that memory cgroup and the output has its peak; `uncached` (the model) is dropped from the
     page cache first, so that no run inherits another's cache."""
     argv = (str(tool), *args)
+    check_tool_paths(tool, args, env or {})
     full_env = dict(os.environ)
     full_env.pop(CACHE_ENV_VAR, None)  # only what the caller asks for reaches the tool
     full_env.update(env or {})
@@ -145,6 +147,30 @@ def run_tool(tool: Path, args: Sequence[str], *, env: Mapping[str, str] | None =
     if cgroup is None:
         return out
     return replace(out, peak_ram_bytes=meter.peak, ram_limit_bytes=cgroup.limit, peak_ram_source=meter.source)
+
+
+# The path arguments of the llama.cpp tools the harness starts (and llama-moe-sim's), named for the user.
+TOOL_PATH_FLAGS = {"-m": "the model", "--model": "the model", "-f": "the text", "--file": "the text",
+                   "--nll-dump": "--nll-dump", "--trace": "--trace", "--stats": "--stats"}
+
+
+def check_tool_paths(tool: Path, args: Sequence[str], env: Mapping[str, str]) -> None:
+    """Before a tool starts: a FIFO, device, socket or folder given as one of its file paths (TOOL_PATH_FLAGS, the
+    cache spec's stats=/trace=/profile=/profile_out= in CACHE_ENV_VAR or llama-moe-sim's --spec) is one line of
+    HarnessError, not a tool that blocks forever in open()."""
+    if tool.name.startswith("llama-"):
+        for flag, value in zip(args, args[1:], strict=False):
+            if flag in TOOL_PATH_FLAGS:
+                refuse_special(value, TOOL_PATH_FLAGS[flag])
+            elif flag == "--spec":
+                check_cache_paths(spec_items(value))
+    if CACHE_ENV_VAR in env:
+        check_cache_paths(spec_items(env[CACHE_ENV_VAR]))
+
+
+def spec_items(spec: str) -> list[tuple[str, str]]:
+    """A cache spec string's key=value items, as the engine splits them (on ',' then the first '=')."""
+    return [(k.strip(), v.strip()) for k, _, v in (item.partition("=") for item in spec.split(",")) if k.strip()]
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 #include "llama-expert-spec.h"
 
 #include "llama-expert-budget.h"
+#include "llama-expert-paths.h"
 
 #include <algorithm>
 #include <cctype>
@@ -512,6 +513,10 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         }
         if (!k->parse(val, cfg)) {
             return bad_key_value(err, *k, val);
+        }
+        // the path keys (the table's "a file path" rows): a FIFO would block open()
+        if (k->accepted && std::strcmp(k->accepted, "a file path") == 0 && !llama_expert_path_check(key + "=", val, err)) {
+            return false;
         }
         explicit_rule = explicit_rule || key == "rule";
         explicit_tau  = explicit_tau  || key == "tau";

@@ -13,6 +13,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 static int n_fail = 0;
 
 #define CHECK(cond) do { if (!(cond)) { std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); ++n_fail; } } while (0)
@@ -1010,8 +1013,41 @@ static void test_prefetch() {
     }
 }
 
+// the four path keys refuse a FIFO, a device or a folder when the spec is parsed (opening a FIFO blocks); a path
+// that does not exist yet, a regular file and a standard stream are fine
+static void test_parse_special_files() {
+    char dir[] = "/tmp/moe-subst-paths-XXXXXX";
+    if (!mkdtemp(dir)) {
+        CHECK(false && "mkdtemp");
+        return;
+    }
+    const std::string fifo = std::string(dir) + "/pipe";
+    const std::string file = std::string(dir) + "/file";
+    CHECK(mkfifo(fifo.c_str(), 0600) == 0);
+    if (FILE * f = std::fopen(file.c_str(), "w")) {
+        std::fclose(f);
+    }
+    for (const char * key : { "profile", "profile_out", "stats", "trace" }) {
+        llama_expert_cache_config cfg;
+        std::string err;
+        const std::string k = key;
+        CHECK(!llama_expert_cache_config_parse("policy=quality," + k + "=" + fifo, cfg, err));
+        CHECK(err == k + "=" + fifo + " is a FIFO (named pipe), not a regular file: pass a file (opening it would "
+                     "block, or read and write without end)");
+        CHECK(!llama_expert_cache_config_parse(k + "=/dev/zero", cfg, err) && err.find("a character device") != std::string::npos);
+        CHECK(!llama_expert_cache_config_parse(k + "=" + dir, cfg, err) && err == k + "=" + dir + " is a folder, not a file");
+        CHECK(llama_expert_cache_config_parse(k + "=" + file, cfg, err));
+        CHECK(llama_expert_cache_config_parse(k + "=" + std::string(dir) + "/new", cfg, err));
+        CHECK(llama_expert_cache_config_parse(k + "=/dev/stdout", cfg, err));
+    }
+    unlink(fifo.c_str());
+    unlink(file.c_str());
+    rmdir(dir);
+}
+
 int main() {
     test_parse();
+    test_parse_special_files();
     test_ram_tier();
     test_parse_anchors();
     test_cache_route();

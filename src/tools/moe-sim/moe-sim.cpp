@@ -15,6 +15,7 @@
 
 #include "llama-expert-cache-impl.h"
 #include "llama-expert-policy.h"
+#include "llama-expert-paths.h"
 
 #include "llama.h"
 #include "ggml.h"
@@ -77,6 +78,7 @@ static bool moe_sim_fail(std::string & err, const std::string & msg) {
 
 // read and check a trace; every record is validated here so that the replay loop needs no checks
 static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std::string & err) {
+    if (!llama_expert_path_check("--trace ", path, err)) { return false; } // a FIFO would block fopen()
     FILE * f = std::fopen(path.c_str(), "rb");
     if (!f) {
         return moe_sim_fail(err, "cannot open the trace '" + path + "'");
@@ -474,6 +476,10 @@ int main(int argc, char ** argv) {
         cfg.trace.clear();
     }
     if (!stats_path.empty()) {
+        if (!llama_expert_path_check("--stats ", stats_path, err)) { // a FIFO would block at the end of the replay
+            std::fprintf(stderr, "llama-moe-sim: error: %s\n", err.c_str());
+            return 2;
+        }
         cfg.stats = stats_path;
     } else if (cfg.stats.empty()) {
         cfg.stats = "/dev/stdout";
