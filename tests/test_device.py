@@ -44,20 +44,22 @@ pytestmark = pytest.mark.device
 ROOT = project_root()
 MODEL = ROOT / "models" / "tinymoe-f16.gguf"
 DEVICE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
-PLACEMENT = ("-ngl", "99", "--cpu-moe")
+PLACEMENT = ("-ngl", "99", "--cpu-moe")  # the engine's: the expert tensors in host memory, the banks on Vulkan0
+# emulate mode computes the experts where their tensors are: with them on Vulkan0 it computes them with the same
+# kernels as the engine's banks (bit-identical, tested); with --cpu-moe on the CPU (within the device's rounding)
+EXPERTS_ON_DEVICE = ("-ngl", "99")
 N_CTX = 32
 N_CHUNKS = 2  # 64 tokens a run: lavapipe runs ggml-vulkan's shaders on the CPU, every ubatch a few submissions
 THREADS = "2"
 K = 8  # tinymoe: 8 of 64 experts per token, 4 MoE layers
 
-# The engine computes the experts from its banks on the device (ggml-vulkan's mul_mat_id: f16 weights, the
-# activations converted to f16, f32 accumulation in another order), emulate mode and the cache-off run compute
-# them on the CPU (ggml-cpu: the same f16 weights, its own order and f16 conversion). Their difference is the
-# device's rounding, not the cache: the same on any GPU. Measured on tinymoe at 128 tokens: per-token NLL
-# differences up to ~2e-3 nats, perplexity within 2e-5 relative (the issue's run: 422.4204 vs 422.4245). The
-# bounds are a few times that, and far below what one wrong expert does to a token (a substitution moves its NLL
-# by ~0.1 nats or more): DEVICE_ATOL per token, DEVICE_PPL_RTOL on the perplexity.
-DEVICE_ATOL = 1e-2
+# With the experts in host memory (--cpu-moe), the cache off (and emulate mode) computes them on the CPU (ggml-cpu:
+# f16 weights, its own summation order and f16 conversion of the activations) and the engine on the device from
+# its banks (ggml-vulkan's shaders). Their difference is the device's rounding, not the cache, and the same on any
+# GPU. Measured on tinymoe (64 tokens, lavapipe): per-token NLL differences up to 2.6e-4 nats (fetch-all 2.0e-4),
+# perplexity within 2e-5 relative (the issue's run: 422.4204 vs 422.4245). The bounds are about 8x that and far
+# below what one wrong expert does to a token (a substitution moves its NLL by ~0.1 nats or more).
+DEVICE_ATOL = 2e-3
 DEVICE_PPL_RTOL = 1e-4
 
 
@@ -126,22 +128,24 @@ _runs: dict[tuple[object, ...], Run] = {}
 
 def run_ppl(build: Build, tmp: Path, text: Path, spec: str | None = None, *, model: Path = MODEL,
             ubatch: int | None = 1, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            want: str = "") -> Run:
+            want: str = "", placement: tuple[str, ...] = PLACEMENT) -> Run:
     """llama-perplexity on Vulkan0 with the experts in host memory; results from the files it writes. A run with
     the same arguments is made once per session (the tests share their emulate and cache-off runs)."""
-    key = (build.bin_dir, str(text), spec, str(model), ubatch, extra, tuple(sorted((env or {}).items())), want)
+    key = (build.bin_dir, str(text), spec, str(model), ubatch, extra, tuple(sorted((env or {}).items())), want,
+           placement)
     if key not in _runs:
-        _runs[key] = _run_ppl(build, tmp, text, spec, model=model, ubatch=ubatch, extra=extra, env=env, want=want)
+        _runs[key] = _run_ppl(build, tmp, text, spec, model=model, ubatch=ubatch, extra=extra, env=env, want=want,
+                              placement=placement)
     return _runs[key]
 
 
 def _run_ppl(build: Build, tmp: Path, text: Path, spec: str | None, *, model: Path, ubatch: int | None,
-             extra: tuple[str, ...], env: dict[str, str] | None, want: str) -> Run:
+             extra: tuple[str, ...], env: dict[str, str] | None, want: str, placement: tuple[str, ...]) -> Run:
     tmp.mkdir(parents=True, exist_ok=True)
     full_env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}, **DEVICE_ENV, **(env or {})}
     stats_path, logits_path, nll_path = tmp / "stats.json", tmp / "logits.bin", tmp / "nll.bin"
     args = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(N_CTX), "-b",
-            str(N_CTX), "--chunks", str(N_CHUNKS), "-t", THREADS, "--seed", "1", *PLACEMENT,
+            str(N_CTX), "--chunks", str(N_CHUNKS), "-t", THREADS, "--seed", "1", *placement,
             "--kl-divergence-base", str(logits_path), "-lv", "4", *extra]
     if build.name.startswith("patched"):  # --nll-dump is the patched build's (patch 0006)
         args += ["--nll-dump", str(nll_path)]
@@ -191,35 +195,82 @@ COPY_STREAM = "background admissions: a copy stream (second backend instance, ev
 
 # ---- decisions: the engine on the device equals emulate mode ------------------------------------------------------
 
+def emulate(vulkan: Vulkan, tmp: Path, text: Path, spec: str, **kw: object) -> Run:
+    """Emulate mode with the expert tensors on Vulkan0: it computes the experts with the device's kernels, as the
+    engine does from its banks."""
+    return run_ppl(vulkan.patched, tmp, text, f"mode=emulate,{spec}", placement=EXPERTS_ON_DEVICE, **kw)  # type: ignore[arg-type]
+
+
+def engine(vulkan: Vulkan, tmp: Path, text: Path, spec: str, **kw: object) -> Run:
+    """Engine mode with the expert tensors in host memory (--cpu-moe) and the banks on Vulkan0."""
+    return run_ppl(vulkan.patched, tmp, text, f"mode=engine,{spec}", **kw)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("spec", ["policy=quality,slots=25%", "policy=speed,slots=25%", "policy=fetch-all,slots=25%",
                                   "rule=cache-route,alpha=0.5,slots=25%",
                                   "rule=zero,tau=0.1,renorm=on,evict=classlru,slots=25%",
                                   "rule=ser,kmin=2,t=0.5,renorm=on,slots=25%"])
 def test_device_engine_equals_emulate(spec: str, vulkan: Vulkan, text: Path, tmp_path: Path) -> None:
     """One-token ubatches: the banks on Vulkan0, every fetch one synchronous copy over the backend's transfer API,
-    every admission one copy on the copy stream; the same decisions as emulate mode on the same placement."""
-    emu = run_ppl(vulkan.patched, tmp_path / "emu", text, f"mode=emulate,{spec}")
-    eng = run_ppl(vulkan.patched, tmp_path / "eng", text, f"mode=engine,{spec}")
+    every admission one copy on the copy stream. Emulate mode with the experts on the same device takes identical
+    decisions (every statistic, the gate-weight sums included) and computes bit-identical logits."""
+    emu = emulate(vulkan, tmp_path / "emu", text, spec)
+    eng = engine(vulkan, tmp_path / "eng", text, spec)
     for r in (emu, eng):
         check_ok(r)
         on_device(r)
     assert BANKS_ON_DEVICE.search(eng.output) and COPY_STREAM in eng.output, eng.output[-3000:]
     assert emu.stats is not None and eng.stats is not None
     same_decisions(emu.stats, eng.stats)
+    assert eng.logits == emu.logits
     t, e = eng.stats["total"], eng.stats["engine"]
     assert t["misses"] > 0
-    assert e["copied_experts"] == t["fetches"] + t["admissions"]
-    assert e["background_experts"] == t["admissions"]
+    every_copy(eng.stats)
     assert e["async"] is True
-    close_values(eng, emu)
+    if not spec.startswith("policy=fetch-all"):
+        assert t["substitutions"] + t["drops"] + t["skips"] > 0
+
+
+def every_copy(stats: dict) -> None:  # type: ignore[type-arg]
+    """One-token ubatches: every fetch and every admission is one expert copied, every admission through the copy
+    stream, except the admissions deferred (next to a slot in use: kernels may read past an expert) in the last
+    steps, which no later step of their layer completed (at most one per slot and layer)."""
+    t, e = stats["total"], stats["engine"]
+    assert e["background_experts"] == t["admissions"]
+    pending = t["fetches"] + t["admissions"] - e["copied_experts"]
+    assert 0 <= pending <= min(e["deferred_experts"], len(stats["layers"]) * stats["config"]["slots"]), (t, e)
+
+
+DECISIONS = ("calls", "hits", "misses", "fetches", "substitutions", "drops", "skips", "admissions", "evictions",
+             "subst_first_choice", "forced_substitutions", "token_layers", "token_layers_with_subst")
+
+
+def test_device_emulate_with_experts_on_the_cpu(vulkan: Vulkan, text: Path, tmp_path: Path) -> None:
+    """Emulate mode with the experts in host memory (--cpu-moe, the engine's placement) computes them on the CPU:
+    every later router input differs from the engine's by the device's rounding, so the gate-weight sums in the
+    statistics differ in the 5th digit (and a weight within rounding of a threshold could flip a decision); the
+    decision counters are equal on this text, the values within DEVICE_ATOL. Exact emulation of a device engine
+    needs the experts on the device (test_device_engine_equals_emulate)."""
+    spec = "policy=quality,slots=25%"
+    cpu = run_ppl(vulkan.patched, tmp_path / "cpu", text, f"mode=emulate,{spec}")
+    eng = engine(vulkan, tmp_path / "eng", text, spec)
+    check_ok(cpu)
+    check_ok(eng)
+    assert cpu.stats is not None and eng.stats is not None
+    pairs = zip([cpu.stats["total"], *cpu.stats["layers"]], [eng.stats["total"], *eng.stats["layers"]], strict=True)
+    for a, b in pairs:
+        assert {k: a[k] for k in DECISIONS} == {k: b[k] for k in DECISIONS}
+        assert a["subst_mass_sum"] == pytest.approx(b["subst_mass_sum"], rel=1e-4)
+    close_values(eng, cpu)
 
 
 @pytest.mark.parametrize(("slots", "ubatch"), [("25%", 2)])
 def test_device_group_equals_emulate(slots: str, ubatch: int, vulkan: Vulkan, text: Path, tmp_path: Path) -> None:
-    """Small multi-token ubatches compute from the device banks as a group; the same groups as emulate mode."""
+    """Small multi-token ubatches compute from the device banks as a group; the same groups as emulate mode, the
+    same logits."""
     spec = f"policy=quality,slots={slots}"
-    emu = run_ppl(vulkan.patched, tmp_path / "emu", text, f"mode=emulate,{spec}", ubatch=ubatch)
-    eng = run_ppl(vulkan.patched, tmp_path / "eng", text, f"mode=engine,{spec}", ubatch=ubatch)
+    emu = emulate(vulkan, tmp_path / "emu", text, spec, ubatch=ubatch)
+    eng = engine(vulkan, tmp_path / "eng", text, spec, ubatch=ubatch)
     check_ok(emu)
     check_ok(eng)
     assert emu.stats is not None and eng.stats is not None
@@ -228,28 +279,31 @@ def test_device_group_equals_emulate(slots: str, ubatch: int, vulkan: Vulkan, te
     t = eng.stats["total"]
     assert t["misses"] > 0 and t["forced_substitutions"] == 0
     assert 0 < eng.stats["engine"]["copied_experts"] <= t["fetches"] + t["admissions"]
-    close_values(eng, emu)
+    assert eng.logits == emu.logits
 
 
 # ---- values: fetch-all and the cache off on the same placement ---------------------------------------------------
 
 def test_device_fetch_all_and_cache_off(vulkan: Vulkan, text: Path, tmp_path: Path) -> None:
-    """Stock and the patched build with the cache off are the same program on Vulkan (bit-identical logits);
-    fetch-all computes every expert from the device banks, the cache off on the CPU: equal within the device's
-    rounding (DEVICE_ATOL, DEVICE_PPL_RTOL), with the same decisions as emulate's fetch-all (no substitution)."""
+    """Stock and the patched build with the cache off are the same program on Vulkan (bit-identical logits), and
+    so is emulate's fetch-all. The engine's fetch-all computes every expert from the device banks, the cache off
+    (experts in host memory) on the CPU: equal within the device's rounding (DEVICE_ATOL, DEVICE_PPL_RTOL); with
+    the experts on the device, the cache off computes exactly what the engine's fetch-all does (bit-identical)."""
     stock = run_ppl(vulkan.stock, tmp_path / "stock", text)
     off = run_ppl(vulkan.patched, tmp_path / "off", text, "mode=off")
+    off_dev = run_ppl(vulkan.patched, tmp_path / "off-dev", text, "mode=off", placement=EXPERTS_ON_DEVICE)
     emu = run_ppl(vulkan.patched, tmp_path / "emu", text, "mode=emulate,policy=fetch-all,slots=25%")
-    eng = run_ppl(vulkan.patched, tmp_path / "eng", text, "mode=engine,policy=fetch-all,slots=25%")
-    for r in (stock, off, emu, eng):
+    eng = engine(vulkan, tmp_path / "eng", text, "policy=fetch-all,slots=25%")
+    for r in (stock, off, off_dev, emu, eng):
         check_ok(r)
         on_device(r)
     assert off.logits == stock.logits
-    assert emu.logits == off.logits  # emulate's fetch-all computes exactly what the cache off does
+    assert emu.logits == off.logits
     assert eng.stats is not None
     t = eng.stats["total"]
     assert t["fetches"] == t["misses"] > 0 and t["substitutions"] == t["drops"] == 0
     close_values(eng, off)
+    assert eng.logits == off_dev.logits
 
 
 # ---- background admissions on the copy stream ----------------------------------------------------------------------
@@ -259,12 +313,11 @@ def test_device_background_admissions(vulkan: Vulkan, text: Path, tmp_path: Path
     layer's next step; a slot is LOADING until then, and the engine aborts (GGML_ASSERT "slot used before its copy
     completed") if the graph would read it. With pinned experts (--load-mode none: ggml-vulkan's host buffer),
     ggml-vulkan records the copy without waiting (submitted with the event); from pageable memory (mmap) it cannot,
-    copies synchronously, and the engine warns. Decisions and values as emulate's either way."""
+    copies synchronously, and the engine warns. Decisions and logits as emulate's either way."""
     spec = "rule=substitute-all,admit=0.05,slots=25%"
-    emu = run_ppl(vulkan.patched, tmp_path / "emu", text, f"mode=emulate,{spec}")
-    pinned = run_ppl(vulkan.patched, tmp_path / "pinned", text, f"mode=engine,{spec}",
-                     extra=("--load-mode", "none"))
-    mapped = run_ppl(vulkan.patched, tmp_path / "mapped", text, f"mode=engine,{spec}")
+    emu = emulate(vulkan, tmp_path / "emu", text, spec)
+    pinned = engine(vulkan, tmp_path / "pinned", text, spec, extra=("--load-mode", "none"))
+    mapped = engine(vulkan, tmp_path / "mapped", text, spec)
     for r in (emu, pinned, mapped):
         check_ok(r)
     assert emu.stats is not None
@@ -272,13 +325,11 @@ def test_device_background_admissions(vulkan: Vulkan, text: Path, tmp_path: Path
         assert COPY_STREAM in r.output, r.output[-3000:]
         assert r.stats is not None
         same_decisions(emu.stats, r.stats)
-        t, e = r.stats["total"], r.stats["engine"]
-        assert t["admissions"] > 0 and e["background_experts"] == t["admissions"]
-        assert e["copied_experts"] == t["fetches"] + t["admissions"]
-        close_values(r, emu)
+        assert r.stats["total"]["admissions"] > 0
+        every_copy(r.stats)
+        assert r.logits == emu.logits
     assert "pageable host memory" not in pinned.output and "Vulkan_Host" in pinned.output, pinned.output[-3000:]
     assert "pageable host memory" in mapped.output
-    assert pinned.logits == mapped.logits
 
 
 # ---- the budget: planned against the device, allocated as planned -------------------------------------------------
@@ -327,8 +378,8 @@ def test_device_host_file_and_three_tiers(tiers: str, vulkan: Vulkan, text: Path
     three tiers keep a RAM tier in the device's pinned host memory between the file and the banks. The engine
     decides as emulate mode (which simulates the tiers), every load is counted once."""
     spec = f"policy=quality,slots=25%,{tiers}"
-    emu = run_ppl(vulkan.patched, tmp_path / "emu", text, f"mode=emulate,{spec}")
-    eng = run_ppl(vulkan.patched, tmp_path / "eng", text, f"mode=engine,{spec}")
+    emu = emulate(vulkan, tmp_path / "emu", text, spec)
+    eng = engine(vulkan, tmp_path / "eng", text, spec)
     check_ok(emu)
     check_ok(eng)
     on_device(eng)
@@ -343,7 +394,7 @@ def test_device_host_file_and_three_tiers(tiers: str, vulkan: Vulkan, text: Path
         assert t["ram_tier_loads"] > 0 and t["file_loads"] > 0
         assert t["ram_tier_loads"] + t["file_loads"] == e["copied_experts"]
         assert e["file_read_bytes"] == t["file_loads"] * (e["copy_bytes"] // e["copied_experts"])
-    close_values(eng, emu)
+    assert eng.logits == emu.logits
 
 
 def _free_port() -> int:
@@ -382,7 +433,7 @@ def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: P
 
     with log_path.open("w") as log:
         proc = subprocess.Popen([str(vulkan.patched.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
-                                 "--port", str(port), "-c", "256", "-ub", "1", "-t", THREADS, "--no-warmup",
+                                 "--port", str(port), "-c", "256", "-ub", "1", "-t", THREADS, "--no-warmup", "-lv", "4",
                                  *PLACEMENT, "--moe-cache", f"mode=engine,policy=fetch-all,slots=16,{tiers}"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -412,19 +463,19 @@ def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: P
     assert "truncated or damaged after loading" in out, out[-3000:]
 
 
-def test_device_budget_synth_model(vulkan: Vulkan, tmp_path: Path, text: Path) -> None:
-    """A generated model (harness synth's default qwen3moe, f32): the engine on the device decides as emulate."""
+def test_device_synth_model(vulkan: Vulkan, tmp_path: Path, text: Path) -> None:
+    """A generated model (harness synth, qwen3moe, f32 experts): the engine on the device equals emulate."""
     model = write_synth_model(SynthSpec(arch="qwen3moe", n_expert=32, n_expert_used=4, n_layer=2, seed=3),
                               tmp_path / "m.gguf")
     spec = "policy=quality,slots=25%"
-    emu = run_ppl(vulkan.patched, tmp_path / "emu", text, f"mode=emulate,{spec}", model=model)
-    eng = run_ppl(vulkan.patched, tmp_path / "eng", text, f"mode=engine,{spec}", model=model)
+    emu = emulate(vulkan, tmp_path / "emu", text, spec, model=model)
+    eng = engine(vulkan, tmp_path / "eng", text, spec, model=model)
     check_ok(emu)
     check_ok(eng)
     assert emu.stats is not None and eng.stats is not None
     same_decisions(emu.stats, eng.stats)
     assert eng.stats["total"]["misses"] > 0
-    close_values(eng, emu)
+    assert eng.logits == emu.logits
 
 
 # ---- harness compare --backend vulkan, end to end ------------------------------------------------------------------
@@ -437,7 +488,7 @@ def test_device_harness_compare(vulkan: Vulkan, text: Path, tmp_path: Path) -> N
     out = tmp_path / "compare"
     env = {**os.environ, **DEVICE_ENV}
     res = subprocess.run([str(Path(sys.executable).parent / "harness"), "compare", "--backend", "vulkan",
-                          "--model", str(MODEL), "--text", str(text), "--vram", "12M", "--reserve", "2M",
+                          "--model", str(MODEL), "--text", str(text), "--vram", "16M", "--reserve", "2M",
                           "--ctx", str(N_CTX), "--chunks", str(N_CHUNKS), "--policies", "quality", "--no-speed",
                           "--threads", THREADS, "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=1800)
@@ -447,7 +498,7 @@ def test_device_harness_compare(vulkan: Vulkan, text: Path, tmp_path: Path) -> N
     ppl = [r for r in records if r.get("kind") == "ppl"]
     assert {r["config"] for r in ppl} == {"full", "stock", "quality"}, ppl
     for r in ppl:
-        assert r["peak_source"] == "ggml-vulkan memory log" and 0 < r["peak_device_mib"] <= 12, r
+        assert r["peak_source"] == "ggml-vulkan memory log" and 0 < r["peak_device_mib"] <= 16, r
         assert any(row["name"].startswith("Vulkan0") for row in r["memory_breakdown"])
     report = (out / "report.md").read_text()
     assert "within the budget" in report and "llvmpipe" in report
