@@ -2,21 +2,26 @@
 CI Mesa's lavapipe (a Vulkan driver that runs on the CPU; ggml-vulkan uses a device of type CPU only with
 GGML_VK_VISIBLE_DEVICES=0, which every run here sets). Issue 27.
 
-Every run places the weights as a GPU user would: `-ngl 99 --cpu-moe` (the non-expert weights and the KV cache on
-Vulkan0, the expert tensors in host memory), so that the engine's banks are device memory, its fetches go through
-the backend's transfer API and its background admissions through a second backend instance with events.
+The engine runs as a GPU user would run it: `-ngl 99 --cpu-moe` (the non-expert weights and the KV cache on
+Vulkan0, the expert tensors in host memory), so that its banks are device memory, its fetches go through the
+backend's transfer API and its background admissions through a second backend instance with events. Emulate mode
+runs with the experts on Vulkan0 (`-ngl 99`): it then computes them with the device's kernels, as the engine does.
 
-- the engine's decisions equal emulate mode's exactly (presets, the anchors' rules, ubatch 1 and groups); the
-  values agree within DEVICE_RTOL (see there: the engine computes the experts on the device, emulate on the CPU);
-- fetch-all against the cache off on the same placement, within the same tolerance; stock == patched cache-off;
-- background admissions on the copy stream (pinned experts: ggml-vulkan's asynchronous path), no slot read before
-  its event (the engine's GGML_ASSERTs abort otherwise);
-- vram=: the plan from the device's own memory, and the allocations the device logs (GGML_VK_MEMORY_LOGGER)
-  equal to the plan: the banks exactly, everything within the budget;
-- host=file and three tiers (ram_slots=) with device banks; a read failure mid-run is the one-line error.
+- the engine equals emulate mode exactly: every statistic and bit-identical logits (the presets, the anchors'
+  rules, ubatch 1 and a group, host=file, three tiers, a generated model); emulate on the engine's placement
+  computes the experts on the CPU: the decision counters equal, the values within DEVICE_ATOL;
+- fetch-all against the cache off on the same placement within DEVICE_ATOL (the reasoning is there); stock ==
+  patched cache-off; fetch-all == cache off with the experts on the device, bit for bit;
+- background admissions on the copy stream (pinned experts: ggml-vulkan's asynchronous path; pageable: its
+  synchronous fallback, and the engine's warning), no slot read before its event (GGML_ASSERTs abort otherwise);
+- vram=: the plan from what the device holds, and the allocations the device logs (GGML_VK_MEMORY_LOGGER) equal to
+  it: the weights and the banks exactly, the highest total within the budget;
+- a read failure mid-run (host=file, three tiers) is one line and a failed request, the server keeps running;
+- harness compare --backend vulkan end to end.
 
 Skipped with the reason when the Vulkan builds or a Vulkan device are missing; with MOE_SUBST_REQUIRE_DEVICE=1 (set
-by .ci/run) they fail instead, so that CI cannot pass without running them. About 2-3 minutes on 2 cores.
+by .ci/run) they fail instead, so that CI cannot pass without running them. 17 tests, about 11 minutes on 2 cores
+shared with builds (each llama.cpp run 15-35 s on lavapipe).
 """
 
 from __future__ import annotations
