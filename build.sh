@@ -5,6 +5,11 @@
 #   ./build.sh --cuda              CUDA builds (cuBLAS from the nvidia-cublas wheel when the system has none)
 #   ./build.sh --cuda-arch 90      CUDA architectures (CMAKE_CUDA_ARCHITECTURES); implies --cuda
 #   ./build.sh --cpu               force the CPU backend
+#   ./build.sh --vulkan            Vulkan builds in build-vulkan of the tools the tests run (libllama, llama-cli,
+#                                  -server, -perplexity, -bench); the CPU builds stay, build/builds.json lists these
+#                                  as stock-vulkan and patched-vulkan. Debian/Ubuntu packages: glslc libvulkan-dev
+#                                  spirv-headers, and mesa-vulkan-drivers (lavapipe) for a Vulkan device on the CPU,
+#                                  which ggml-vulkan uses only with GGML_VK_VISIBLE_DEVICES=0
 #   ./build.sh --only stock|patched|harness
 #   ./build.sh --jobs N
 #   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all six, + llama-moe-sim;
@@ -38,6 +43,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --cuda) backend=cuda ;;
         --cpu) backend=cpu ;;
+        --vulkan) backend=vulkan ;;
         --cuda-arch) backend=cuda; cuda_arch=${2:?--cuda-arch needs a value, e.g. 86 or 90}; shift ;;
         --cuda-arch=*) backend=cuda; cuda_arch=${1#*=} ;;
         --only) only=${2:?--only needs stock, patched or harness}; shift ;;
@@ -48,7 +54,7 @@ while [ $# -gt 0 ]; do
         --bindings) bindings=1 ;;
         --targets) want_targets=${2:?--targets needs tool names}; shift ;;
         --sanitize) sanitize=1 ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: error: unknown option $1 (see ./build.sh --help)" >&2; exit 2 ;;
     esac
     shift
@@ -175,6 +181,9 @@ if [ "$need_sdist" = 1 ]; then
     echo "$pin_id $pin_sha" >"$stock_tree.tmp/.moe-subst-pin"
     mv "$stock_tree.tmp" "$stock_tree"
 fi
+# build compatibility (patches/compat/, e.g. older Vulkan headers): applied to the stock tree in place, and so to the
+# patched tree, whose base is the stock tree; a no-op when the stamp says it is there
+"$root/scripts/patches.sh" compat "$sdist" || die "the compat series could not be applied (see above)"
 if [ "$only" != stock ]; then
     if [ ! -d "$patched_tree/.git" ] && [ -f "$patched_tree/.moe-subst-bundle" ]; then
         # a tree unpacked from scripts/gpu_bundle.sh's bundle: the series was applied where it was made
@@ -190,6 +199,11 @@ phase trees
 # ---- 4. configure + build -----------------------------------------------------------------------
 targets=(llama llama-cli llama-server llama-perplexity llama-bench llama-quantize)
 patched_targets=(llama-moe-sim)  # tools that only the patched tree has (patches/)
+if [ "$backend" = vulkan ]; then
+    # what the device tests and harness compare run (the CPU builds have llama-quantize and llama-moe-sim)
+    targets=(llama llama-cli llama-server llama-perplexity llama-bench)
+    patched_targets=()
+fi
 if [ -n "$want_targets" ]; then
     read -r -a targets <<<"$want_targets"
     patched_targets=()
@@ -214,6 +228,15 @@ if command -v ccache >/dev/null; then
 else
     cmake_common+=(-DGGML_CCACHE=OFF)
     echo "build.sh: note: ccache not found; install it to make rebuilds fast (apt-get install ccache)"
+fi
+if [ "$backend" = vulkan ]; then
+    # what ggml-vulkan's CMakeLists needs (find_package Vulkan with glslc, SPIRV-Headers), named by Debian package
+    missing=()
+    command -v glslc >/dev/null || missing+=(glslc)
+    [ -f /usr/include/vulkan/vulkan.hpp ] || [ -n "${VULKAN_SDK:-}" ] || missing+=(libvulkan-dev)
+    [ -d /usr/include/spirv ] || [ -n "${VULKAN_SDK:-}" ] || missing+=(spirv-headers)
+    [ ${#missing[@]} = 0 ] || die "--vulkan: missing ${missing[*]} (apt-get install ${missing[*]}; mesa-vulkan-drivers for a device on the CPU)"
+    cmake_common+=(-DGGML_VULKAN=ON)
 fi
 if [ "$backend" = cuda ]; then
     command -v nvcc >/dev/null || die "--cuda: nvcc not found (install the CUDA toolkit)"
@@ -344,9 +367,11 @@ path = pathlib.Path(out)
 data = json.loads(path.read_text()) if path.exists() else {}
 data.update({"schema_version": 1, "pin": pin, "pin_sha256": sha, "patch_series": series})
 builds = data.setdefault("builds", {})
+# the Vulkan builds are listed next to the CPU (or CUDA) ones, as stock-vulkan and patched-vulkan
+suffix = "-vulkan" if backend == "vulkan" else ""
 for name, bindir in (("stock", stock_bin), ("patched", patched_bin)):
     if only in ("", name):
-        builds[name] = {"backend": backend, "bin": bindir}
+        builds[name + suffix] = {"backend": backend, "bin": bindir}
 path.write_text(json.dumps(data, indent=2) + "\n")
 PY
 echo

@@ -101,3 +101,58 @@ def test_our_cmake_names_every_source() -> None:
     for cpp in sorted((ROOT / "src").rglob("*.cpp")):
         rel = cpp.relative_to(ROOT / "src").as_posix()
         assert "${MOE_SUBST_SRC}/" + rel in cmake, f"src/{rel} is not in src/moe-subst.cmake"
+
+
+def test_compat_series_has_trailers() -> None:
+    """patches/compat/: build-compatibility patches (applied to stock and patched alike), each saying why and when
+    it goes; they change upstream lines only (no new file)."""
+    for p in project.compat_series():
+        text = p.read_text()
+        assert "\nUpstream:" in text and "\nDrop-when:" in text, f"compat/{p.name}: trailers missing"
+        assert "new file mode" not in text
+
+
+def test_compat_applies_in_place_and_restores(tmp_path: Path) -> None:
+    """scripts/patches.sh compat on a small stand-in tree: applies the series once (stamped, idempotent), and when
+    the series changes restores the files the old one changed from the source package before applying the new."""
+    import tarfile
+
+    root = tmp_path / "proj"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "patches.sh", root / "scripts")
+    (root / "patches" / "compat").mkdir(parents=True)
+    tree = root / "vendor" / "llama.cpp"
+    (tree / "lib").mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text("project(x)\n")
+    original = "one\ntwo\nthree\n"
+    (tree / "lib" / "a.c").write_text(original)
+    # the source package, as the pin's sdist lays it out
+    pkg = tmp_path / "pkg" / "llama_cpp_python-0" / "vendor" / "llama.cpp" / "lib"
+    pkg.mkdir(parents=True)
+    (pkg / "a.c").write_text(original)
+    sdist = tmp_path / "sdist.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(tmp_path / "pkg" / "llama_cpp_python-0", arcname="llama_cpp_python-0")
+
+    def patch(new: str) -> str:
+        return ("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nSubject: [PATCH] x\n\n"
+                "Upstream: no\nDrop-when: never\n---\n"
+                "diff --git a/lib/a.c b/lib/a.c\n--- a/lib/a.c\n+++ b/lib/a.c\n@@ -1,3 +1,3 @@\n one\n-two\n"
+                f"+{new}\n three\n")
+
+    (root / "patches" / "compat" / "0001-x.patch").write_text(patch("TWO"))
+    for _ in range(2):  # the second run finds the stamp and does nothing
+        r = _run(root, "compat", str(sdist))
+        assert r.returncode == 0, r.stderr
+        assert (tree / "lib" / "a.c").read_text() == "one\nTWO\nthree\n"
+    assert (tree / ".moe-subst-compat").read_text().splitlines()[1:] == ["lib/a.c"]
+    (root / "patches" / "compat" / "0001-x.patch").write_text(patch("2"))
+    r = _run(root, "compat")  # the old series must be undone: without the source package, one line
+    assert r.returncode != 0 and "source package" in r.stderr and "lib/a.c" in r.stderr
+    r = _run(root, "compat", str(sdist))
+    assert r.returncode == 0, r.stderr
+    assert (tree / "lib" / "a.c").read_text() == "one\n2\nthree\n"
+    (root / "patches" / "compat" / "0001-x.patch").unlink()
+    r = _run(root, "compat", str(sdist))
+    assert r.returncode == 0, r.stderr
+    assert (tree / "lib" / "a.c").read_text() == original

@@ -137,3 +137,16 @@ exit 1
     with pytest.raises(ToolCrashedError, match="bad value 'engine' for key 'mode'") as e:
         ToolRunner().bench(Build("patched", "cpu", bin_dir), req)
     assert " -v" in str(e.value)
+
+
+def test_vulkan_memory_log_peak() -> None:
+    """GGML_VK_MEMORY_LOGGER=1: ggml-vulkan logs every buffer; the device's peak is the highest "Total device"."""
+    from harness.parsers.memory import vulkan_device_peak_mib
+
+    dev = "ggml_vulkan memory: llvmpipe (LLVM 15.0.6, 256 bits)"
+    log = (f"{dev}: +5.76 MiB device at 0x55d0. Total device: 5.76 MiB, total host: 0.00 B\n"
+           f"{dev}: +512.00 KiB device at 0x55d1. Total device: 6.26 MiB, total host: 0.00 B\n"
+           f"{dev}: -512.00 KiB device at 0x55d1. Total device: 5.76 MiB, total host: 0.00 B\n")
+    assert vulkan_device_peak_mib(log) == pytest.approx(6.26)
+    assert vulkan_device_peak_mib("no such lines") is None
+    assert vulkan_device_peak_mib(log.replace("6.26 MiB", "1.50 GiB")) == pytest.approx(1536.0)

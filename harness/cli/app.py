@@ -102,7 +102,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     def announce(lines: Sequence[str]) -> None:
         err_console.print("\n".join(lines), highlight=False, soft_wrap=True, markup=False)
 
-    result = _with_progress("compare", lambda progress: compare.compare(opts, progress, announce=announce))
+    env, runner = None, None
+    if args.backend == "vulkan":
+        from harness.orchestration.executor import VULKAN_RUN_ENV, VulkanEnvironment
+        from harness.tools.runners import ToolRunner
+
+        env, runner = VulkanEnvironment(), ToolRunner(extra_env=VULKAN_RUN_ENV)
+    result = _with_progress("compare", lambda progress: compare.compare(opts, progress, announce=announce,
+                                                                        env=env, runner=runner))
     console.print(terminal.render_compare(result))
     if result.interrupted:
         return 130
@@ -119,6 +126,10 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    "with mmap and --repack 0, the patched build with mode=engine,host=file and the slots that the "
                    "engine's ram=SIZE formula gives (missed experts read from the model file; the quality runs with "
                    "the same slots); reports each run's peak next to the limit. Not with --vram")
+    c.add_argument("--backend", choices=("default", "vulkan"), default="default",
+                   help="vulkan: the Vulkan builds (./build.sh --vulkan) on the first Vulkan device, the budget "
+                   "verified by the device's own allocation log (a device of type CPU, e.g. Mesa's lavapipe, needs "
+                   "GGML_VK_VISIBLE_DEVICES=0); default: the builds of ./build.sh")
     options.add_model(c)
     options.add_policies(c)
     options.add_text(c, "text for perplexity (default: eval/data/heldout.txt)")

@@ -58,10 +58,15 @@ def patch_series(root: Path | None = None) -> list[Path]:
     return sorted(((root or project_root()) / "patches").glob("*.patch"))
 
 
+def compat_series(root: Path | None = None) -> list[Path]:
+    """patches/compat/: build-compatibility patches applied to the stock and the patched tree alike."""
+    return sorted(((root or project_root()) / "patches" / "compat").glob("*.patch"))
+
+
 def patch_series_hash(root: Path | None = None) -> str:
-    """The same hash scripts/patches.sh prints: sha256 of the concatenated series and then of our C++ sources
-    (src/, every file in byte order of its path), 16 hex digits: what the patched tree's code is made of."""
-    files = patch_series(root)
+    """The same hash scripts/patches.sh prints: sha256 of the concatenated compat series, the series and then of our
+    C++ sources (src/, every file in byte order of its path), 16 hex digits: what the patched tree's code is made of."""
+    files = compat_series(root) + patch_series(root)
     if not files:
         return "none"
     src = (root or project_root()) / "src"
@@ -103,7 +108,8 @@ def read_builds(root: Path | None = None) -> dict[str, Build]:
 def get_build(name: str, root: Path | None = None) -> Build:
     builds = read_builds(root)
     if name not in builds or not builds[name].present():
-        raise BuildMissingError(f"the {name} build is missing: run ./build.sh")
+        how = "./build.sh --vulkan" if name.endswith("-vulkan") else "./build.sh"
+        raise BuildMissingError(f"the {name} build is missing: run {how}")
     return builds[name]
 
 

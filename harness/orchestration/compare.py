@@ -51,6 +51,8 @@ from harness.tools.requests import Runner
 
 Announce = Callable[[Sequence[str]], None]  # receives the plan's lines before the first run
 NO_GPU_NOTE = "no GPU found: the CPU build runs; speed figures are labelled 'CPU build'"
+LAVAPIPE_NOTE = ("the device is Mesa's lavapipe (Vulkan on the CPU): the budget is a real device's memory, but its "
+                 "speed figures are not a goal (a CPU running a GPU's program; nothing to learn about GPU speeds)")
 
 
 def check_ram_options(opts: CompareOptions, available: int) -> int:
@@ -108,6 +110,8 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     notes.append(threads_note)
     if gpu == "none" and plan.ram is None:
         notes.append(NO_GPU_NOTE)
+    if "llvmpipe" in gpu:
+        notes.append(LAVAPIPE_NOTE)
     if announce is not None:
         announce([*plan_lines(plan), *notes])
 
@@ -175,6 +179,8 @@ def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
         notes.append(str(meta["threads_note"]))
     if gpu == "none" and plan.ram is None:
         notes.append(NO_GPU_NOTE)
+    if "llvmpipe" in gpu:
+        notes.append(LAVAPIPE_NOTE)
     runs = [r for r in results.read() if r.get("kind") == "bench"]
     if opts.speed and runs and not any(r.get("build") == "patched" for r in runs):
         notes.append("no speed runs of the patched build were recorded (no engine mode in that build)")

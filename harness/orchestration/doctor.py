@@ -29,6 +29,16 @@ def diagnose() -> Diagnosis:
         if (name == "patched") != patched:
             problems.append(f"the {name} build identifies itself as {'patched' if patched else 'stock'}: "
                             "run ./build.sh again")
+    for name in ("stock-vulkan", "patched-vulkan"):  # ./build.sh --vulkan, next to the others; optional
+        b = builds.get(name)
+        if b is None:
+            continue
+        if not b.present():
+            statuses.append(BuildStatus(name, False, b.backend, str(b.bin_dir), "", False))
+            problems.append(f"the {name} build lacks some binaries: run ./build.sh --vulkan")
+            continue
+        version = build_version(b)
+        statuses.append(BuildStatus(name, True, b.backend, str(b.bin_dir), version, "moe-subst" in version))
     unpacked = (root / "vendor" / "llama.cpp" / ".moe-subst-pin").is_file()
     if unpacked:
         got = (root / "vendor" / "llama.cpp" / ".moe-subst-pin").read_text().split()

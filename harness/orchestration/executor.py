@@ -69,6 +69,25 @@ class Environment:
         return MemoryCgroup(limit, "moe-subst-compare")
 
 
+class VulkanEnvironment(Environment):
+    """`--backend vulkan`: the Vulkan builds (./build.sh --vulkan: stock-vulkan and patched-vulkan in
+    build/builds.json), the device named by the build itself. Pair it with a ToolRunner whose extra_env has
+    VULKAN_RUN_ENV, so that every run logs the device's own allocations (its peak is the budget's measurement)."""
+
+    def builds(self) -> dict[str, project.Build]:
+        from dataclasses import replace
+
+        return {name: replace(project.get_build(f"{name}-vulkan"), name=name) for name in ("stock", "patched")}
+
+    def gpu(self) -> str:
+        from harness.tools.runners import vulkan_device
+
+        return vulkan_device(self.builds()["patched"], VULKAN_RUN_ENV)
+
+
+VULKAN_RUN_ENV = {"GGML_VK_MEMORY_LOGGER": "1"}  # ggml-vulkan logs every device allocation (the budget's measurement)
+
+
 @dataclass(frozen=True)
 class ExecOutcome:
     n_run: int

@@ -67,9 +67,14 @@ def ppl_record(spec: RunSpec, run: Any) -> dict[str, Any]:
         data["memory_breakdown"] = [vars(row) for row in run.memory.rows]
     if run.output.peak_gpu_mib is not None and (data["peak_device_mib"] is None
                                                 or run.output.peak_gpu_mib > data["peak_device_mib"]):
-        data["peak_device_mib"], data["peak_source"] = run.output.peak_gpu_mib, "nvidia-smi"
+        data["peak_device_mib"], data["peak_source"] = run.output.peak_gpu_mib, _gpu_source(run.output)
     data.update(_ram_fields(run.output))
     return data
+
+
+def _gpu_source(output: Any) -> str:
+    """Where a run's device peak comes from: nvidia-smi, or ggml-vulkan's allocation log (a Vulkan build)."""
+    return str(getattr(output, "peak_gpu_source", "nvidia-smi"))
 
 
 def _ram_fields(output: Any) -> dict[str, Any]:
@@ -102,7 +107,7 @@ def bench_record(spec: RunSpec, run: Any) -> dict[str, Any]:
                    "n_gpu_layers": t.n_gpu_layers, "backends": t.backends, "gpu_info": t.gpu_info,
                    "build_commit": t.build_commit} for t in run.results],
         "peak_device_mib": run.output.peak_gpu_mib,
-        "peak_source": "nvidia-smi" if run.output.peak_gpu_mib is not None else "",
+        "peak_source": _gpu_source(run.output) if run.output.peak_gpu_mib is not None else "",
         **_ram_fields(run.output), **_engine_slots(run),
     }
 

@@ -85,3 +85,16 @@ def parse_memory_breakdown(text: str) -> MemoryBreakdown:
     if not any(r.name == "Host" for r in rows):
         raise ParseError("memory breakdown table has no Host row", text)
     return MemoryBreakdown(tuple(rows))
+
+
+_VK_ALLOC_RE = re.compile(r"^ggml_vulkan memory: .*?: [+-][\d.]+ (?:B|KiB|MiB|GiB) (?:device|host) at \S+\. "
+                          r"Total device: (?P<total>[\d.]+) (?P<unit>B|KiB|MiB|GiB)", re.M)
+_UNIT_MIB = {"B": 2.0**-20, "KiB": 2.0**-10, "MiB": 1.0, "GiB": 1024.0}
+
+
+def vulkan_device_peak_mib(text: str) -> float | None:
+    """The device's own accounting on a Vulkan build: the highest "Total device" of ggml-vulkan's allocation log
+    (GGML_VK_MEMORY_LOGGER=1: one line per buffer allocated or freed, sizes with 2 decimals), in MiB; None without
+    such lines."""
+    totals = [float(m["total"]) * _UNIT_MIB[m["unit"]] for m in _VK_ALLOC_RE.finditer(text)]
+    return max(totals) if totals else None

@@ -70,10 +70,11 @@ class RunOutput:
     stdout: str
     stderr: str
     wall_s: float
-    peak_gpu_mib: float | None = None  # nvidia-smi, device-wide, minus the level before the run
+    peak_gpu_mib: float | None = None  # nvidia-smi, device-wide, minus the level before the run; or ggml-vulkan's log
     peak_ram_bytes: int | None = None  # the memory cgroup's peak (page cache counted), when run inside one
     ram_limit_bytes: int | None = None  # that cgroup's limit
     peak_ram_source: str = ""  # e.g. "cgroup v1 memory.max_usage_in_bytes"
+    peak_gpu_source: str = "nvidia-smi"  # or "ggml-vulkan memory log" (GGML_VK_MEMORY_LOGGER=1)
 
     @property
     def text(self) -> str:

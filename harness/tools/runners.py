@@ -31,6 +31,7 @@ from harness.parsers import (
     tail,
 )
 from harness.parsers.cache_stats import CacheStats, parse_cache_stats
+from harness.parsers.memory import vulkan_device_peak_mib
 from harness.parsers.nll_dump import NllDump, read_nll_dump_file
 from harness.tools.cgroup import MemoryCgroup, PeakMeter, drop_page_cache
 from harness.tools.requests import (
@@ -50,6 +51,23 @@ class ToolCrashedError(HarnessError):
 
 class ToolTimeoutError(HarnessError):
     exit_code = 4
+
+
+def vulkan_device(build: Build, env: Mapping[str, str]) -> str:
+    """The first Vulkan device a Vulkan build sees (`--list-devices`, with `env` added), e.g. "Vulkan0: llvmpipe
+    (LLVM 15.0.6, 256 bits)"; a one-line HarnessError when it sees none."""
+    import re
+
+    try:
+        out = subprocess.run([str(build.tool("llama-perplexity")), "--list-devices"], capture_output=True, text=True,
+                             timeout=120, check=False, env={**os.environ, **env})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HarnessError(f"cannot list the devices of the Vulkan build: {e}") from None
+    m = re.search(r"^\s*(Vulkan0: .*?) \(\d+ MiB, \d+ MiB free\)", out.stdout + out.stderr, re.M)
+    if m is None:
+        raise HarnessError("the Vulkan build sees no Vulkan device (a device of type CPU, such as Mesa's lavapipe, "
+                           "only with GGML_VK_VISIBLE_DEVICES=0; lavapipe: apt-get install mesa-vulkan-drivers)")
+    return m[1]
 
 
 def gpu_name() -> str:
@@ -205,8 +223,10 @@ def _run(tool: Path, argv: tuple[str, ...], env: Mapping[str, str] | None, full_
         if sampler is not None:
             sampler.__exit__()
     wall = time.monotonic() - t0
-    out = RunOutput(argv, dict(env or {}), proc.returncode, stdout, stderr, wall,
-                    sampler.peak_mib if sampler is not None else None)
+    peak, source = sampler.peak_mib if sampler is not None else None, "nvidia-smi"
+    if peak is None and (vk := vulkan_device_peak_mib(stderr)) is not None:
+        peak, source = vk, "ggml-vulkan memory log"  # a Vulkan build run with GGML_VK_MEMORY_LOGGER=1
+    out = RunOutput(argv, dict(env or {}), proc.returncode, stdout, stderr, wall, peak, peak_gpu_source=source)
     if proc.returncode != 0:
         how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
                else f"exited with {proc.returncode}")
@@ -260,15 +280,19 @@ class ToolRunner:
     this project's machines: the stock build lost its final line in 9 of 20 short runs; the patched build
     drains the log at exit (patch "log: drain the log queue at exit") and lost none of 20."""
 
-    def __init__(self, timeout_s: float = 3600, attempts: int = 12) -> None:
+    def __init__(self, timeout_s: float = 3600, attempts: int = 12, extra_env: Mapping[str, str] | None = None) -> None:
         self.timeout_s = timeout_s
         self.attempts = attempts
+        self.extra_env = dict(extra_env or {})  # set for every tool (e.g. the Vulkan builds' device and memory log)
+
+    def _env(self, cache: CacheSpec | None) -> dict[str, str]:
+        return {**self.extra_env, **_cache_env(cache)}
 
     def bench(self, build: Build, req: BenchRequest) -> BenchRun:
         if req.cache is not None and build.name != "patched":
             raise HarnessError(f"a cache configuration needs the patched build, not {build.name}")
         try:
-            out = run_tool(build.tool("llama-bench"), bench_args(req), env=_cache_env(req.cache),
+            out = run_tool(build.tool("llama-bench"), bench_args(req), env=self._env(req.cache),
                            timeout_s=self.timeout_s, cgroup=req.cgroup,
                            uncached=req.model if req.cgroup is not None else None)
         except ToolCrashedError as e:
@@ -276,7 +300,7 @@ class ToolRunner:
             # error names its cause (such as a cache spec the build rejects)
             if "failed to create context" not in str(e) or "-v" in req.extra_args:
                 raise
-            run_tool(build.tool("llama-bench"), [*bench_args(req), "-v"], env=_cache_env(req.cache),
+            run_tool(build.tool("llama-bench"), [*bench_args(req), "-v"], env=self._env(req.cache),
                      timeout_s=self.timeout_s, cgroup=req.cgroup)
             raise
         try:
@@ -294,7 +318,7 @@ class ToolRunner:
             raise HarnessError("a cache configuration or an NLL dump needs the patched build, "
                                f"not {build.name}")
         for attempt in range(1, self.attempts + 1):
-            out = run_tool(build.tool("llama-perplexity"), perplexity_args(req), env=_cache_env(req.cache),
+            out = run_tool(build.tool("llama-perplexity"), perplexity_args(req), env=self._env(req.cache),
                            timeout_s=self.timeout_s, cgroup=req.cgroup,
                            uncached=req.model if req.cgroup is not None else None)
             try:
