@@ -20,7 +20,8 @@ runs with the experts on Vulkan0 (`-ngl 99`): it then computes them with the dev
 - harness compare --backend vulkan end to end.
 
 Skipped with the reason when the Vulkan builds or a Vulkan device are missing; with MOE_SUBST_REQUIRE_DEVICE=1 they fail
-instead, so that a CI that sets it cannot pass without running them (.ci/run does not build Vulkan yet: see there). 17 tests, about 11 minutes on 2 cores
+instead, so that a CI that sets it cannot pass without running them (.ci/run does not build Vulkan yet: see there).
+17 tests, about 11 minutes on 2 cores
 shared with builds (each llama.cpp run 15-35 s on lavapipe).
 """
 
