@@ -29,7 +29,8 @@ def test_by_hand() -> None:
     # 3 tokens, k = 2, 8 experts; the middle token lists its weights out of rank order
     ids = [[0, 1], [1, 2], [3, 4]]
     w = [[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]]
-    (row,) = routing_stats(_trace(ids, w)).layers
+    t = _trace(ids, w)
+    (row,) = routing_stats(t.records, t.k, t.n_expert).layers
     assert row.tokens == 3
     assert row.mean_weight_by_rank == pytest.approx(((0.9 + 0.8 + 0.5) / 3, (0.1 + 0.2 + 0.5) / 3))
     assert row.first_heavy == 1.0
@@ -44,8 +45,9 @@ def test_by_hand() -> None:
 
 
 def test_layers_separately_and_an_empty_trace() -> None:
-    s = routing_stats(_trace([[0, 1], [0, 1]], [[0.6, 0.4], [0.6, 0.4]], layers=2))
+    t = _trace([[0, 1], [0, 1]], [[0.6, 0.4], [0.6, 0.4]], layers=2)
+    s = routing_stats(t.records, t.k, t.n_expert)
     assert [x.layer for x in s.layers] == [0, 1] and all(x.reuse == 1.0 for x in s.layers)
     assert s.mean("reuse") == 1.0
     with pytest.raises(HarnessError, match="no records"):
-        routing_stats(ExpertTrace(2, 1, 8, 2, 2, 4, np.zeros(0, dtype=trace_dtype(2, 2))))
+        routing_stats(np.zeros(0, dtype=trace_dtype(2, 2)), 2, 8)

@@ -485,7 +485,8 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     from harness.report.routing import render_routing
     from harness.stats.routing import routing_stats
 
-    stats = routing_stats(read_expert_trace(args.trace))
+    trace = read_expert_trace(args.trace)
+    stats = routing_stats(trace.records, trace.k, trace.n_expert)
     console.print(render_routing(stats, str(args.trace)), markup=False, highlight=False, soft_wrap=True)
     return 0
 

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from harness.core.errors import HarnessError
-from harness.parsers.trace import ExpertTrace
 
 HEAVY_WEIGHT = 0.15  # PAPER.md: the 0.15 rule
 
@@ -45,13 +45,11 @@ class RoutingStats:
         return float(np.mean([getattr(x, field) for x in self.layers]))
 
 
-def routing_stats(trace: ExpertTrace) -> RoutingStats:
-    """Per MoE layer statistics of the router's choices recorded in `trace` (any policy: the ids and weights are
-    the router's own, before any substitution)."""
-    rec = trace.records
+def routing_stats(rec: npt.NDArray[np.void], k: int, n_expert: int) -> RoutingStats:
+    """Per MoE layer statistics of the router's choices in a trace's records (harness.parsers.trace: fields layer,
+    token, ids[k], weights[k]; any policy: the ids and weights are the router's own, before any substitution)."""
     if len(rec) == 0:
         raise HarnessError("the trace holds no records (no token was decided)")
-    k, n_expert = trace.k, trace.n_expert
     rows = []
     for layer in np.unique(rec["layer"]):
         r = rec[rec["layer"] == layer]
