@@ -114,6 +114,13 @@ def check_ok(r: Run) -> None:
     assert len(r.logits) > 1000
 
 
+def skip_if_stock_crashes(stock: Run) -> None:
+    """Some CPUs (seen on a VM advertising AVX-512 and AMX) die with SIGILL in ggml's own repack kernels (K-quants):
+    the stock build crashes on the model, so there is nothing for the cache to match. Skip with the reason."""
+    if stock.returncode in (-4, 132):
+        pytest.skip("the stock build dies with SIGILL in ggml's repack kernels on this CPU: nothing to compare with")
+
+
 def check_consistent(stats: dict) -> None:  # type: ignore[type-arg]
     for s in [stats["total"], *stats["layers"]]:
         assert s["hits"] + s["misses"] + s["skips"] == s["calls"]
@@ -1071,6 +1078,7 @@ def test_kquant_off_and_emulate_fetch_all_are_stock(arch: str, qtype: str, kquan
     repacks them: emulate copies nothing)."""
     model = kquant_model(arch, qtype)
     stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", nll=False)
+    skip_if_stock_crashes(stock)
     unset = run_ppl(patched_build, model, engine_text, tmp_path / "unset")
     off = run_ppl(patched_build, model, engine_text, tmp_path / "off", "mode=off")
     emu = run_ppl(patched_build, model, engine_text, tmp_path / "emu", "mode=emulate,policy=fetch-all,slots=25%")
@@ -1145,6 +1153,7 @@ def test_kquant_repacked_refused(qtype: str, kquant_model: Callable[[str, str], 
     model = kquant_model("qwen3moe", qtype)
     stock = run_ppl(stock_build, model, engine_text, tmp_path / "stock", nll=False, want="model buffer size",
                     extra=("-lv", "4"))
+    skip_if_stock_crashes(stock)
     check_ok(stock)
     repacked = "CPU_REPACK model buffer size" in stock.output
     if qtype == "Q4_K_M" and re.search(r"\bavx2\b", Path("/proc/cpuinfo").read_text(errors="replace")):

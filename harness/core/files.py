@@ -22,7 +22,8 @@ from harness.core.errors import HarnessError
 CACHE_PATH_KEYS = ("stats", "trace", "profile", "profile_out")
 # a process's own standard streams: open already, so opening them again never blocks (the engine allows them too,
 # src/llama/llama-expert-paths.h)
-STANDARD_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/stdin", "/dev/fd/", "/proc/self/fd/")
+# with /dev/null and /dev/full: devices that never block (the engine allows the same, llama-expert-paths.h)
+STANDARD_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/stdin", "/dev/fd/", "/proc/self/fd/", "/dev/null", "/dev/full")
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
