@@ -34,7 +34,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_engine import N_CHUNKS, N_CTX, N_LAYER, check_consistent, check_ok, run_ppl, same_decisions
+from test_engine import (
+    N_CHUNKS,
+    N_CTX,
+    N_LAYER,
+    check_consistent,
+    check_ok,
+    run_ppl,
+    same_decisions,
+    skip_if_stock_crashes,
+)
 
 from harness.core.project import Build
 from harness.tools.synth import ARCHS, CACHE_REFUSED, SynthSpec, synth_text, write_synth_model
@@ -121,6 +130,7 @@ def test_layout_off_and_fetch_all_are_stock(layout: str, dtype: str, layout_mode
     for ubatch in (1, None):
         tag = f"ub{ubatch}"
         stock = run_ppl(stock_build, model, layout_text, tmp_path / f"stock-{tag}", ubatch=ubatch, nll=False)
+        skip_if_stock_crashes(stock)
         check_ok(stock)
         runs = {
             "off": run_ppl(layout_build, model, layout_text, tmp_path / f"off-{tag}", ubatch=ubatch, nll=False),
@@ -147,8 +157,9 @@ def test_layout_off_and_fetch_all_are_stock(layout: str, dtype: str, layout_mode
 def test_layout_engine_equals_emulate_and_quality_protects(layout: str, dtype: str,
                                                            layout_models: dict[tuple[str, str], Path],
                                                            layout_text: Path, tmp_path: Path,
-                                                           layout_build: Build) -> None:
+                                                           stock_build: Build, layout_build: Build) -> None:
     model = layout_models[(layout, dtype)]
+    skip_if_stock_crashes(run_ppl(stock_build, model, layout_text, tmp_path / "stock", ubatch=1, nll=False))
     spec = f"policy=quality,slots={SLOTS}"
     emu = run_ppl(layout_build, model, layout_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=1)
     eng = run_ppl(layout_build, model, layout_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=1)
@@ -180,9 +191,10 @@ def test_layout_engine_equals_emulate_and_quality_protects(layout: str, dtype: s
 @pytest.mark.parametrize("ubatch", [1, None])
 @pytest.mark.parametrize("layout", [a for a in ARCHS if a not in CACHE_REFUSED])  # the router: as qwen3next+fused
 def test_gating_equals_the_graph(layout: str, ubatch: int | None, layout_text: Path, tmp_path: Path,
-                                 layout_build: Build, monkeypatch: pytest.MonkeyPatch) -> None:
+                                 stock_build: Build, layout_build: Build, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = layout_spec(layout, dtype="f16")
     model = write_synth_model(spec, tmp_path / f"{layout}.gguf")
+    skip_if_stock_crashes(run_ppl(stock_build, model, layout_text, tmp_path / "stock", ubatch=ubatch, nll=False))
     monkeypatch.setenv("LLAMA_MOE_CACHE_TEST_GATING", "1")
     r = run_ppl(layout_build, model, layout_text, tmp_path / "run", f"mode=engine,policy=quality,slots={SLOTS}",
                 ubatch=ubatch, nll=False)
@@ -217,6 +229,7 @@ def test_leading_dense_layer(layout_text: Path, tmp_path: Path, stock_build: Bui
     model = write_synth_model(SynthSpec(arch="deepseek2", n_expert=N_EXPERT, n_expert_used=K, n_layer=3,
                                         n_dense_lead=1, dtype="q8_0", seed=5), tmp_path / "deepseek2-dense1.gguf")
     stock = run_ppl(stock_build, model, layout_text, tmp_path / "stock", ubatch=1, nll=False)
+    skip_if_stock_crashes(stock)
     fetch = run_ppl(layout_build, model, layout_text, tmp_path / "fetch", f"mode=engine,policy=fetch-all,slots={SLOTS}",
                     ubatch=1, nll=False)
     spec = f"policy=quality,slots={SLOTS}"
