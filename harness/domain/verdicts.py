@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.core.errors import HarnessError
+from harness.domain.composition import CalibStep, Composition
 from harness.domain.results import Verdict
 from harness.stats.intervals import Correlation, DeltaPPL, pearson_fisher
 
@@ -59,6 +60,26 @@ class Arm:
     name: str
     rate: float | None
     mass: float | None
+
+
+@dataclass(frozen=True)
+class MatchedResult:
+    calib_text: str  # where the calibration slice came from
+    rule: Composition | None  # the 0.15 rule on the evaluation tokens
+    lightest_hi: float | None
+    rate_steps: tuple[CalibStep, ...]  # (H, substitution rate) of the search
+    lightest: Composition | None
+    q: DeltaPPL | None  # the rule against lightest-first
+    heavy_nonfirst: Composition | None
+    light_first_hi: float | None
+    mass_steps: tuple[CalibStep, ...]
+    light_first: Composition | None
+    r: DeltaPPL | None  # heavy non-first against light first choices
+    notes: tuple[str, ...] = ()
+
+
+def arm(c: Composition | None) -> Arm | None:
+    return None if c is None else Arm(c.name, c.substitution_rate, c.substituted_mass)
 
 
 def finding1_verdict(rule: Arm, lightest: Arm | None, substitute_all: DeltaPPL | None, p_sa_rule: DeltaPPL | None,
