@@ -206,6 +206,12 @@ def test_the_whole_study_runs_the_matched_runs_and_applies_the_rules(tmp_path: P
     assert "(16 experts per layer, top-4)" in md and "Chunks: the first 32 chunks of 512 tokens" in md
     assert "## Matched runs" in md and "Calibration text: `calib.txt`" in md
     assert "- **1 and 3. weight, not rank" in md and ": held.**" in md
+    assert "## Per domain\n\nno t-sources.json beside the text: no domains" in md
+    # finding 2: cache-route and first-choice (both 0.2 here) one distinct policy; 7 admission pairs (5 taus,
+    # first-choice, cache-route), each paired on the sweep's NLL dumps
+    assert "7 distinct policies (fetch-all; threshold tau=0.05;" in md and "; cache-route+first-choice)" in md
+    assert "admission lowers the mass and raises delta-PPL in 0 of 7 pairs" in md
+    assert "threshold tau=0.4: mass 0.0400 -> 0.0400, delta +4.08% -> +4.08%, on vs off +0.00%" in md
     again = MatchedFake()
     again.dumps = runner.dumps
     study(opts, runner=again, env=FakeEnv(tmp_path))

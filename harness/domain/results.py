@@ -13,7 +13,7 @@ from harness.parsers.cache_stats import CacheStats
 from harness.stats.intervals import Correlation, DeltaPPL, MeanCI, RatioCI
 
 if TYPE_CHECKING:
-    from harness.domain.verdicts import AdmissionPair, MatchedResult
+    from harness.domain.verdicts import AdmissionPair, DomainRow, MatchedResult
 
 # ---- compare ----------------------------------------------------------------------------------------------
 
@@ -241,6 +241,8 @@ class StudyResult:
     matched_note: str = ""
     header: tuple[str, ...] = ()  # the text's chunks and domains, for the report's header
     admission_pairs: tuple[AdmissionPair, ...] = ()  # finding 2's admission on/off pairs, within each tau
+    domain_rows: tuple[DomainRow, ...] = ()  # the paired comparisons per domain of the text
+    domain_note: str = ""  # why there are none
 
 
 # ---- simulate ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from harness.core.errors import HarnessError
 from harness.domain.composition import CalibStep, Composition
 from harness.domain.results import Verdict
+from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import Correlation, DeltaPPL, pearson_fisher
 
 MATCH = 0.10  # two runs match in rate or mass when they differ by at most 10% of their mean
@@ -76,6 +77,22 @@ class MatchedResult:
     light_first: Composition | None
     r: DeltaPPL | None  # heavy non-first against light first choices
     notes: tuple[str, ...] = ()
+    dumps: tuple[tuple[str, NllDump], ...] = ()  # "matched:rule", ":lightest", ":heavy", ":light-first"
+
+
+@dataclass(frozen=True)
+class DomainRow:
+    comparison: str  # "a vs b"
+    whole: DeltaPPL
+    by_domain: tuple[tuple[str, DeltaPPL | None], ...]
+
+    @property
+    def differs(self) -> tuple[str, ...]:
+        """The domains whose CI lies on the other side of 0 from the whole text's (both excluding 0)."""
+        if self.whole.low <= 0 <= self.whole.high:
+            return ()
+        pos = self.whole.low > 0
+        return tuple(d for d, x in self.by_domain if x is not None and (x.high < 0 if pos else x.low > 0))
 
 
 def arm(c: Composition | None) -> Arm | None:

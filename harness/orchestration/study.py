@@ -35,7 +35,7 @@ from pathlib import Path
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
-from harness.domain.catalogue import FIRST_CHOICE_FETCHING, STUDY_POLICIES, SWEEP_TAUS
+from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, STUDY_POLICIES, SWEEP_TAUS
 from harness.domain.options import (
     CompareOptions,
     FrontierGrid,
@@ -70,6 +70,7 @@ from harness.domain.verdicts import (
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
 from harness.orchestration.frontier import frontier
+from harness.orchestration.study_domains import study_domain_rows
 from harness.orchestration.study_matched import matched_part
 from harness.orchestration.study_parts import composition_part, finding3, generation_part
 from harness.orchestration.summary import load_nlls
@@ -160,12 +161,18 @@ def header_lines(text: Path, chunks: int | None, n_ctx: int, d: DeltaPPL | None)
                 v[1] += int(x["chars"])
             out.append("Domains of the text, in order (" + src.name + "): " + ", ".join(
                 f"{k} {n} documents, {c} characters ({c / total:.0%})" for k, (n, c) in by.items()) +
-                ("" if chunks is None else "; the first chunks cover the first domain(s) only") + ". Per-domain "
-                "rows (docs/study-verdicts.md) are not computed by this version: every number below is over all "
-                "the chunks scored.")
+                ("" if chunks is None else "; the first chunks cover the first domain(s) only") + ".")
         except (ValueError, KeyError, TypeError) as e:
             out.append(f"Domains: {src.name} unreadable ({e}).")
     return tuple(out)
+
+
+DOMAIN_PAIRS = (("substitute-all vs rule-0.15 (1b: P)", "rule-0.15", "substitute-all"),
+                ("rule-0.15 vs lightest-first (1c: Q)", "matched:lightest", "matched:rule"),
+                ("heavy non-first vs light first choices (R)", "matched:light-first", "matched:heavy"),
+                ("quality vs rule-0.15 (4, 5: A)", "rule-0.15", "quality"),
+                ("speed vs rule-0.15 (5: C)", "rule-0.15", "speed"),
+                *((f"{p} vs full", FULL, p) for p in STUDY_POLICIES))
 
 
 def policy_pairs(nll: dict[str, NllDump], pairs: list[tuple[str, str]], *, seed: int = 0) -> dict[str, DeltaPPL]:
@@ -228,7 +235,9 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
     vs.insert(3, finding3(comp, comp_note))  # after 1, rank against weight and 2; before 4 and 5
     assert c.options.text is not None
     head = header_lines(c.options.text, opts.chunks, opts.n_ctx, pairs.get("quality vs rule-0.15"))
-    result = StudyResult(opts, c, pairs, s, t, note, tuple(vs), fr, fnote, mt, mt_note, head, adm)
+    dom_nll = {**nll, **dict(mt.dumps if mt else ())}
+    rows, dom_note = study_domain_rows(c.options.text, opts.tokenizer, dom_nll, DOMAIN_PAIRS, seed=opts.seed)
+    result = StudyResult(opts, c, pairs, s, t, note, tuple(vs), fr, fnote, mt, mt_note, head, adm, rows, dom_note)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "report.md").write_text(render_study_markdown(result) + "\n" +
                                         study_parts_markdown(comp, comp_note, gen, gen_note))

@@ -72,6 +72,7 @@ def run_matched(opts: StudyOptions, runner: Runner, info: ModelInfo, *, env: Env
         calib.write_text(calib_text)
     runs = Runs(copts, runner, env, opts.model, opts.text, calib, slots, progress)
     notes: list[str] = []
+    dumps: list[tuple[str, NllDump]] = []
 
     def measure(what: str, items: tuple[tuple[str, str], ...]) -> float:
         rec = runs.run("calib", items)
@@ -88,6 +89,7 @@ def run_matched(opts: StudyOptions, runner: Runner, info: ModelInfo, *, env: Env
 
     # finding 1: lightest-first at the rule's count
     rule, rule_nll = evaluate(RULE)
+    dumps.append(("matched:rule", rule_nll))
     lightest = q = None
     target = measure("rate", RULE)
     h1: float | None = None
@@ -103,6 +105,7 @@ def run_matched(opts: StudyOptions, runner: Runner, info: ModelInfo, *, env: Env
         else:
             lightest, light_nll = evaluate(band_items(hi=h1, evict=copts.evict))
             q = _pair(light_nll, rule_nll, copts)
+            dumps.append(("matched:lightest", light_nll))
 
     # rank against weight: heavy non-first vs light first choices at matched mass
     heavy_items = band_items(lo=RANK_LO, min_rank=1, evict=copts.evict)
@@ -122,9 +125,10 @@ def run_matched(opts: StudyOptions, runner: Runner, info: ModelInfo, *, env: Env
             heavy, heavy_nll = evaluate(heavy_items)
             light_first, lf_nll = evaluate(band_items(hi=h2, max_rank=0, evict=copts.evict))
             r = _pair(lf_nll, heavy_nll, copts)
+            dumps += [("matched:heavy", heavy_nll), ("matched:light-first", lf_nll)]
     notes += list(runs.results.warnings) + runs.notes
     return MatchedResult(where, rule, h1, tuple(steps1), lightest, q, heavy, h2, tuple(steps2), light_first, r,
-                         tuple(notes))
+                         tuple(notes), tuple(dumps))
 
 
 def matched_part(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runner | None = None,

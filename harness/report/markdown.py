@@ -3,10 +3,12 @@ returning text. Every +/- says what it is."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from harness.domain.catalogue import FRONTIER_FAMILIES
 from harness.domain.costmodel import load_profile
 from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult
-from harness.domain.verdicts import MatchedResult
+from harness.domain.verdicts import DomainRow, MatchedResult
 from harness.report.tables import (
     FRONTIER_HEADER,
     RAM_COLUMNS,
@@ -208,6 +210,18 @@ def matched_lines(m: MatchedResult | None, note: str) -> list[str]:
     return lines
 
 
+def domain_lines(rows: Sequence[DomainRow], note: str) -> list[str]:
+    """The study's paired comparisons per domain of the text; "differs" names a domain whose CI lies on the other
+    side of 0 from the whole text's."""
+    lines = ["## Per domain", ""]
+    if not rows:
+        return [*lines, note or "no comparisons to split", ""]
+    domains = [d for d, _ in rows[0].by_domain]
+    cells = [[r.comparison, delta_cell(r.whole), *(delta_cell(x) if x else "-" for _, x in r.by_domain),
+              ", ".join(r.differs) or "-"] for r in rows]
+    return [*lines, md_table(["comparison", "whole text", *domains, "differs by domain"], cells), ""]
+
+
 def render_study_markdown(result: StudyResult) -> str:
     o = result.options
     c = result.compare
@@ -227,6 +241,7 @@ def render_study_markdown(result: StudyResult) -> str:
     for v in result.verdicts:
         lines += [f"- **{v.finding}: {word[v.held]}.** {v.evidence}."]
     lines += ["", *matched_lines(result.matched, result.matched_note)]
+    lines += domain_lines(result.domain_rows, result.domain_note)
     lines += ["", "## Policies against the full model", "",
               md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass", "fetches/token"],
                        [list(quality_cells(q)) for q in c.quality]), ""]
