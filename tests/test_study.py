@@ -11,6 +11,7 @@ import pytest
 from test_compare import FakeEnv, FakeRunner, _info
 from test_sweep import SweepFake
 
+from harness.core.errors import HarnessError
 from harness.core.project import Build
 from harness.domain.composition import Composition
 from harness.domain.options import CompareOptions, SweepOptions
@@ -144,15 +145,17 @@ class MatchedFake(SweepFake):
     SHIFTS = {"rule-0.15": 0.015, "substitute-all": 0.2, "quality": 0.012, "speed": 0.015}
     RATES = {"speed": 0.02}  # speed-first: more substituted, fewer fetched, the same NLL as the rule
 
-    def __init__(self, first_shift: float = 0.01) -> None:
+    def __init__(self, first_shift: float = 0.01, max_rank: bool = True) -> None:
         super().__init__()
-        self.first_shift = first_shift
+        self.first_shift, self.max_rank = first_shift, max_rank
 
     def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
         label = req.label
         hi = re.search(r"hi=([\d.]+)", label)
         if "rule=band" in label and "min_rank=1" in label:
             rate, mass, shift = 0.01, 0.02, 0.05
+        elif "max_rank" in label and not self.max_rank:  # a build whose band has no max_rank
+            raise HarnessError("LLAMA_EXPERT_CACHE: unknown key 'max_rank'")
         elif "rule=band" in label and "max_rank=0" in label and hi:
             rate, mass, shift = float(hi.group(1)) * 0.02, float(hi.group(1)) * 0.04, self.first_shift
         elif label.startswith("light hi=") and hi:  # lightest-first (Experiment B's run name)
@@ -220,6 +223,9 @@ def test_the_whole_study_runs_the_matched_runs_and_applies_the_rules(tmp_path: P
     other = study(replace(opts, out=tmp_path / "rank"), runner=rank, env=FakeEnv(tmp_path))
     v = next(x for x in other.verdicts if x.finding.startswith("1 and 3"))
     assert v.held is False and "heavy non-first vs light first choices -2.9" in v.evidence
+    old = study(replace(opts, out=tmp_path / "old"), runner=MatchedFake(max_rank=False), env=FakeEnv(tmp_path))
+    assert [x.held for x in old.verdicts[:2]] == [True, None]  # finding 1's runs stand without max_rank
+    assert old.matched is not None and any("rank against weight not run" in n for n in old.matched.notes)
     skipped = study(replace(opts, out=tmp_path / "skip", matched=False), runner=MatchedFake(), env=FakeEnv(tmp_path))
     assert skipped.matched is None and [x.held for x in skipped.verdicts[:2]] == [None, None]
     assert "not run (--no-matched)" in (tmp_path / "skip" / "report.md").read_text()

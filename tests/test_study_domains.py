@@ -57,3 +57,16 @@ def test_a_domain_differs_when_its_ci_lies_across_zero_from_the_whole() -> None:
     assert row.differs == ("prose",)
     assert DomainRow("a vs b", _d(0.1, -0.5, 0.7), (("prose", _d(-0.5, -0.8, -0.2)),)).differs == ()
     assert DomainRow("a vs b", _d(-1.0, -1.5, -0.5), (("code", _d(0.5, 0.2, 0.8)), ("x", None))).differs == ("code",)
+
+
+def test_a_verdict_names_the_domains_that_differ() -> None:
+    from harness.domain.results import Verdict
+    from harness.orchestration.study import with_domains
+
+    rows = (DomainRow("speed vs rule-0.15 (5: C)", _d(1.0, 0.5, 1.5), (("code", _d(2.0, 1.5, 2.5)),
+                                                                       ("prose", _d(-0.5, -0.8, -0.2)))),
+            DomainRow("heavy non-first vs light first choices (R)", _d(1.0, 0.5, 1.5), (("code", _d(1, 0.5, 1.5)),)))
+    v = with_domains(Verdict("5. quality-first ...", False, "e"), rows)
+    assert v.evidence == "e; differs by domain (speed vs rule-0.15 (5: C): prose)"
+    assert with_domains(Verdict("1 and 3. weight, not rank", True, "e"), rows).evidence == "e"
+    assert with_domains(Verdict("2. mass hypothesis", True, "e"), rows).evidence == "e"

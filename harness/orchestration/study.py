@@ -57,6 +57,7 @@ from harness.domain.results import (
 from harness.domain.verdicts import (
     AdmissionPair,
     Arm,
+    DomainRow,
     MassPoint,
     MatchedResult,
     arm,
@@ -175,6 +176,20 @@ DOMAIN_PAIRS = (("substitute-all vs rule-0.15 (1b: P)", "rule-0.15", "substitute
                 *((f"{p} vs full", FULL, p) for p in STUDY_POLICIES))
 
 
+# which per-domain comparisons each finding's rule reads (by the tag in DOMAIN_PAIRS' names)
+_FINDING_TAGS = {"1.": ("(1b: P)", "(1c: Q)"), "1 and 3.": ("(R)",), "4.": ("(4, 5: A)",),
+                 "5.": ("(4, 5: A)", "(5: C)")}
+
+
+def with_domains(v: Verdict, rows: Sequence[DomainRow]) -> Verdict:
+    """The verdict with "differs by domain" added where one of its comparisons has a domain across 0 from the whole
+    text's (docs/study-verdicts.md)."""
+    tags = next((t for k, t in _FINDING_TAGS.items() if v.finding.startswith(k)), ())
+    hits = [f"{r.comparison}: {', '.join(r.differs)}" for r in rows if r.differs and r.comparison.endswith(tags)] \
+        if tags else []
+    return replace(v, evidence=v.evidence + "; differs by domain (" + "; ".join(hits) + ")") if hits else v
+
+
 def policy_pairs(nll: dict[str, NllDump], pairs: list[tuple[str, str]], *, seed: int = 0) -> dict[str, DeltaPPL]:
     out: dict[str, DeltaPPL] = {}
     for a, b in pairs:
@@ -237,6 +252,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
     head = header_lines(c.options.text, opts.chunks, opts.n_ctx, pairs.get("quality vs rule-0.15"))
     dom_nll = {**nll, **dict(mt.dumps if mt else ())}
     rows, dom_note = study_domain_rows(c.options.text, opts.tokenizer, dom_nll, DOMAIN_PAIRS, seed=opts.seed)
+    vs = [with_domains(v, rows) for v in vs]
     result = StudyResult(opts, c, pairs, s, t, note, tuple(vs), fr, fnote, mt, mt_note, head, adm, rows, dom_note)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "report.md").write_text(render_study_markdown(result) + "\n" +

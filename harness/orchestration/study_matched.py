@@ -112,20 +112,23 @@ def run_matched(opts: StudyOptions, runner: Runner, info: ModelInfo, *, env: Env
     heavy = light_first = r = None
     h2: float | None = None
     steps2: list[CalibStep] = []
-    m = measure("mass", heavy_items)
-    if m <= 0:
-        notes.append(f"heavy non-first (lo={RANK_LO:g}, min_rank=1) substituted nothing on the calibration text")
-    else:
-        h2, steps2 = search_light_edge(lambda h: measure("mass", band_items(hi=h, max_rank=0, evict=copts.evict)),
-                                       m, 1.0, copts.tolerance, copts.max_steps)
-        if h2 is None:
-            notes.append(f"light first choices reach mass {steps2[0].mass:.4f} at most (hi=1), below heavy "
-                         f"non-first's {m:.4f}")
+    try:  # a build without the band's max_rank (or min_rank) fails here; finding 1's runs stand
+        m = measure("mass", heavy_items)
+        if m <= 0:
+            notes.append(f"heavy non-first (lo={RANK_LO:g}, min_rank=1) substituted nothing on the calibration text")
         else:
-            heavy, heavy_nll = evaluate(heavy_items)
-            light_first, lf_nll = evaluate(band_items(hi=h2, max_rank=0, evict=copts.evict))
-            r = _pair(lf_nll, heavy_nll, copts)
-            dumps += [("matched:heavy", heavy_nll), ("matched:light-first", lf_nll)]
+            h2, steps2 = search_light_edge(lambda h: measure("mass", band_items(hi=h, max_rank=0, evict=copts.evict)),
+                                           m, 1.0, copts.tolerance, copts.max_steps)
+            if h2 is None:
+                notes.append(f"light first choices reach mass {steps2[0].mass:.4f} at most (hi=1), below heavy "
+                             f"non-first's {m:.4f}")
+            else:
+                heavy, heavy_nll = evaluate(heavy_items)
+                light_first, lf_nll = evaluate(band_items(hi=h2, max_rank=0, evict=copts.evict))
+                r = _pair(lf_nll, heavy_nll, copts)
+                dumps += [("matched:heavy", heavy_nll), ("matched:light-first", lf_nll)]
+    except HarnessError as e:
+        notes.append(f"rank against weight not run: {e}")
     notes += list(runs.results.warnings) + runs.notes
     return MatchedResult(where, rule, h1, tuple(steps1), lightest, q, heavy, h2, tuple(steps2), light_first, r,
                          tuple(notes), tuple(dumps))
