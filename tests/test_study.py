@@ -204,7 +204,9 @@ def test_the_whole_study_runs_the_matched_runs_and_applies_the_rules(tmp_path: P
     held = {v.finding.split(".")[0]: v.held for v in res.verdicts}
     assert [v.finding.split(".")[0] for v in res.verdicts] == ["1", "1 and 3", "2", "3", "4", "5"]
     assert held["1"] is True and held["1 and 3"] is True and held["4"] is True and held["5"] is True
-    assert held["3"] is None  # Experiment B: the 4-character text has no calibration slice
+    # Experiment B calibrates on --calib-text too; in this fake the light band never reaches the heavy mass
+    assert held["3"] is None and "below the heavy band's 0.2000" in res.verdicts[3].evidence
+    assert (tmp_path / "study" / "composition" / "calibration.txt").read_text() == calib.read_text()
     md = (tmp_path / "study" / "report.md").read_text()
     assert "(16 experts per layer, top-4)" in md and "Chunks: the first 32 chunks of 512 tokens" in md
     assert "## Matched runs" in md and "Calibration text: `calib.txt`" in md

@@ -77,6 +77,8 @@ def _fingerprint(opts: CompositionOptions, model: Path, text: Path, slots: int, 
          "text": [text.name, hashlib.sha256(text.read_bytes()).hexdigest()[:16]], "n_ctx": opts.n_ctx,
          "chunks": opts.chunks, "calib": [opts.calib_offset, opts.calib_chars, opts.calib_chunks], "slots": slots,
          "evict": opts.evict, "code": code}
+    if opts.calib_text is not None:  # only then, so that folders made before it resume
+        d["calib_text"] = [opts.calib_text.name, hashlib.sha256(opts.calib_text.read_bytes()).hexdigest()[:16]]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -194,7 +196,9 @@ def run_composition(opts: CompositionOptions, runner: Runner, info: ModelInfo, *
         raise HarnessError(f"the mass tolerance must be in (0, 1), got {opts.tolerance}")
     slots = slots_for_residency(opts.residency, info.n_expert, info.n_expert_used)
     calib = opts.out / "calibration.txt"
-    calib_text = calibration_text(opts.text.read_text(), opts.calib_offset, opts.calib_chars)
+    if opts.calib_text is not None and not opts.calib_text.is_file():
+        raise HarnessError(f"cannot read the calibration text {opts.calib_text}: no such file")
+    calib_text = calibration_text((opts.calib_text or opts.text).read_text(), opts.calib_offset, opts.calib_chars)
     if not calib.is_file() or calib.read_text() != calib_text:
         calib.write_text(calib_text)
     runs = Runs(opts, runner, env, opts.model, opts.text, calib, slots, progress)

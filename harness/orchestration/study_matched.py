@@ -27,12 +27,12 @@ from harness.orchestration.composition import (
     search_light_edge,
 )
 from harness.orchestration.executor import Environment, Progress, no_progress
+from harness.orchestration.study_parts import HELDOUT_DOCS
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
 from harness.tools.runners import Runner
 
-CALIB_TEXT = Path("eval/data/heldout-docs.txt")  # documents apart from heldout.txt, of the same kinds
 RULE = POLICIES["rule-0.15"]
 
 
@@ -46,7 +46,7 @@ def calibration_source(opts: StudyOptions, text: Path) -> tuple[str, str]:
     """(the calibration slice, where it came from): --calib-text, or heldout-docs.txt when the whole text is
     evaluated, or the composition's slice of the text past the evaluation chunks."""
     c = CompositionOptions(out=opts.out)
-    src = opts.calib_text or (project.project_root() / CALIB_TEXT if opts.chunks is None else None)
+    src = opts.calib_text or (project.project_root() / HELDOUT_DOCS if opts.chunks is None else None)
     if src is not None:
         if not src.is_file():
             raise HarnessError(f"cannot read the calibration text {src}: no such file")
