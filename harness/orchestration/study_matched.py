@@ -31,7 +31,7 @@ from harness.orchestration.study_parts import HELDOUT_DOCS
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
-from harness.tools.runners import Runner
+from harness.tools.requests import Runner
 
 RULE = POLICIES["rule-0.15"]
 
