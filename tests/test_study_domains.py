@@ -60,7 +60,7 @@ def test_a_domain_differs_when_its_ci_lies_across_zero_from_the_whole() -> None:
 
 
 def test_a_verdict_names_the_domains_that_differ() -> None:
-    from harness.domain.results import Verdict
+    from harness.domain.finding import Verdict
     from harness.orchestration.study import with_domains
 
     rows = (DomainRow("speed vs rule-0.15 (5: C)", _d(1.0, 0.5, 1.5), (("code", _d(2.0, 1.5, 2.5)),

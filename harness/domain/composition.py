@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.domain.results import Verdict
+from harness.domain.finding import Verdict
 from harness.domain.settings import PerplexitySettings
 from harness.stats.intervals import DeltaPPL
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.domain.finding import Verdict
 from harness.domain.options import CompareOptions, FrontierOptions, StudyOptions, SweepOptions, TopicOptions
 from harness.domain.plan import ComparePlan, SweepPoint
 from harness.parsers.cache_stats import CacheStats
@@ -217,13 +218,6 @@ class TopicResult:
 
 
 # ---- study ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Verdict:
-    finding: str
-    held: bool | None  # None: not testable here
-    evidence: str
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from harness.core.errors import HarnessError
 from harness.domain.composition import CalibStep, Composition
-from harness.domain.results import Verdict
+from harness.domain.finding import Verdict
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import Correlation, DeltaPPL, pearson_fisher
 

@@ -36,6 +36,7 @@ from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.core.sizes import Size
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, STUDY_POLICIES, SWEEP_TAUS
+from harness.domain.finding import Verdict
 from harness.domain.options import (
     CompareOptions,
     FrontierGrid,
@@ -52,7 +53,6 @@ from harness.domain.results import (
     SweepResult,
     SweepRow,
     TopicResult,
-    Verdict,
 )
 from harness.domain.verdicts import (
     AdmissionPair,

@@ -9,9 +9,9 @@ from pathlib import Path
 from harness.core import project
 from harness.core.errors import HarnessError
 from harness.domain.composition import FINDING3, CompositionOptions, CompositionResult
+from harness.domain.finding import Verdict
 from harness.domain.generation import GenerateOptions, GenerationResult
 from harness.domain.options import StudyOptions
-from harness.domain.results import Verdict
 from harness.orchestration.executor import Environment, Progress, no_progress
 from harness.tools.requests import Runner
 
