@@ -347,7 +347,8 @@ def _cmd_study(args: argparse.Namespace) -> int:
     opts = StudyOptions(out=options.out_dir(args, "study"), model=args.model, residency=args.residency / 100,
                         topics=not args.no_topics, frontier=not args.no_frontier,
                         composition=not args.no_composition, generation=not args.no_generation,
-                        tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
+                        matched=not args.no_matched,
+                        calib_text=args.calib_text, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
                         **options.perplexity_settings(args))
     result = study.study(opts)
     console.print(Markdown(markdown.render_study_markdown(result)))
@@ -371,6 +372,10 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--no-composition", action="store_true", help="skip Experiment B (finding 3)")
     s.add_argument("--no-generation", action="store_true", help="skip the generation test (it needs ./build.sh "
                    "--bindings)")
+    s.add_argument("--no-matched", action="store_true", help="skip the matched runs (finding 1 against "
+                   "lightest-first at the rule's count; rank against weight at equal mass)")
+    s.add_argument("--calib-text", type=Path, help="the matched runs' calibration text (default: "
+                   "eval/data/heldout-docs.txt with --chunks 0, else a slice of --text past the chunks)")
     options.add_out(s, "results folder (default: results/study); an existing one is resumed")
     options.add_seed(s)
     s.set_defaults(func=_cmd_study)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.domain.results import Verdict
+from harness.domain.finding import Verdict
 from harness.domain.settings import PerplexitySettings
 from harness.stats.intervals import DeltaPPL
 
@@ -52,6 +52,7 @@ class CompositionOptions(PerplexitySettings):
     calib_offset: int = 150_000
     calib_chars: int = 50_000
     calib_chunks: int = 8
+    calib_text: Path | None = None  # the calibration slice from this file (from calib_offset) instead of the text
     max_steps: int = 8  # bisection steps for the light band's edge
     evict: str = "lfu"
     n_boot: int = 2000

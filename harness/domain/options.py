@@ -116,6 +116,8 @@ class StudyOptions(PerplexitySettings):
     frontier: bool = True  # the side-by-side frontier at the residency and half of it
     composition: bool = True  # finding 3: Experiment B (harness composition)
     generation: bool = True  # the generation test (harness generate)
+    matched: bool = True  # the matched runs of findings 1 and 1/3 (harness.orchestration.study_matched)
+    calib_text: Path | None = None  # their calibration text (None: heldout-docs.txt for the whole text)
     tokenizer: Path | None = None
     seed: int = 0
     argv: tuple[str, ...] = ()

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from harness.domain.finding import Verdict
 from harness.domain.options import CompareOptions, FrontierOptions, StudyOptions, SweepOptions, TopicOptions
 from harness.domain.plan import ComparePlan, SweepPoint
 from harness.parsers.cache_stats import CacheStats
 from harness.stats.intervals import Correlation, DeltaPPL, MeanCI, RatioCI
+
+if TYPE_CHECKING:
+    from harness.domain.verdicts import AdmissionPair, DomainRow, MatchedResult
 
 # ---- compare ----------------------------------------------------------------------------------------------
 
@@ -216,13 +221,6 @@ class TopicResult:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    finding: str
-    held: bool | None  # None: not testable here
-    evidence: str
-
-
-@dataclass(frozen=True)
 class StudyResult:
     options: StudyOptions
     compare: CompareResult
@@ -233,6 +231,12 @@ class StudyResult:
     verdicts: tuple[Verdict, ...]
     frontier: FrontierResult | None = None
     frontier_note: str = ""
+    matched: MatchedResult | None = None  # the matched runs of findings 1 and 1/3
+    matched_note: str = ""
+    header: tuple[str, ...] = ()  # the text's chunks and domains, for the report's header
+    admission_pairs: tuple[AdmissionPair, ...] = ()  # finding 2's admission on/off pairs, within each tau
+    domain_rows: tuple[DomainRow, ...] = ()  # the paired comparisons per domain of the text
+    domain_note: str = ""  # why there are none
 
 
 # ---- simulate ---------------------------------------------------------------------------------------------

@@ -45,18 +45,28 @@ def calibration_text(text: str, offset: int, n_chars: int) -> str:
     return text[start: len(text) if end < 0 else end + 1]
 
 
-def band_items(*, lo: float | None = None, hi: float | None = None, evict: str = "lfu") -> tuple[tuple[str, str], ...]:
+def band_items(*, lo: float | None = None, hi: float | None = None, min_rank: int | None = None,
+               max_rank: int | None = None, evict: str = "lfu") -> tuple[tuple[str, str], ...]:
+    """The `band` rule's spec keys (min_rank, max_rank: the ranks it substitutes at; harness study's rank split)."""
     items: list[tuple[str, str]] = [("rule", "band")]
     if lo is not None:
         items.append(("lo", f"{lo:g}"))
     if hi is not None:
         items.append(("hi", f"{hi:g}"))
+    if min_rank is not None:
+        items.append(("min_rank", str(min_rank)))
+    if max_rank is not None:
+        items.append(("max_rank", str(max_rank)))
     return (*items, ("evict", evict), ("admit", "off"))
 
 
-def _name(items: tuple[tuple[str, str], ...]) -> str:
+def run_name(items: tuple[tuple[str, str], ...]) -> str:
+    """A run's name (its key in results.jsonl): "heavy lo=L" and "light hi=H" for Experiment B's bands, the spec's
+    keys otherwise."""
     d = dict(items)
-    return f"heavy lo={d['lo']}" if "lo" in d else f"light hi={d['hi']}"
+    if d.get("rule") == "band" and not {"min_rank", "max_rank"} & d.keys():
+        return f"heavy lo={d['lo']}" if "lo" in d else f"light hi={d['hi']}"
+    return ",".join(f"{k}={v}" for k, v in items)
 
 
 def _fingerprint(opts: CompositionOptions, model: Path, text: Path, slots: int, code: str) -> str:
@@ -67,10 +77,12 @@ def _fingerprint(opts: CompositionOptions, model: Path, text: Path, slots: int, 
          "text": [text.name, hashlib.sha256(text.read_bytes()).hexdigest()[:16]], "n_ctx": opts.n_ctx,
          "chunks": opts.chunks, "calib": [opts.calib_offset, opts.calib_chars, opts.calib_chunks], "slots": slots,
          "evict": opts.evict, "code": code}
+    if opts.calib_text is not None:  # only then, so that folders made before it resume
+        d["calib_text"] = [opts.calib_text.name, hashlib.sha256(opts.calib_text.read_bytes()).hexdigest()[:16]]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class _Runs:
+class Runs:
     """Runs one spec at a time through the executor (resume by key), and reads back what a key recorded."""
 
     def __init__(self, opts: CompositionOptions, runner: Runner, env: Environment, model: Path, text: Path,
@@ -89,7 +101,7 @@ class _Runs:
 
     def run(self, part: str, items: tuple[tuple[str, str], ...] | None) -> dict[str, Any]:
         """part "calib" or "eval"; items None: the full model (cache off)."""
-        name = FULL if items is None else _name(items)
+        name = FULL if items is None else run_name(items)
         key = f"ppl:{part}:{name}"
         settings = replace(self.opts, chunks=self.opts.calib_chunks) if part == "calib" else self.opts
         stats = str(self.opts.out / "stats" / f"{part}-{safe_name(name)}.json")
@@ -117,25 +129,31 @@ class _Runs:
         return self.runner.load_nll(path)
 
 
-def _mass(rec: dict[str, Any]) -> float | None:
+def record_mass(rec: dict[str, Any]) -> float | None:
     c = rec.get("cache_stats") or {}
     m = c.get("substituted_mass")
     return float(m) if m is not None else None
 
 
-def _composition(runs: _Runs, rec: dict[str, Any], items: tuple[tuple[str, str], ...], full: NllDump) -> Composition:
+def record_rate(rec: dict[str, Any]) -> float | None:
+    c = rec.get("cache_stats") or {}
+    r = c.get("substitution_rate")
+    return float(r) if r is not None else None
+
+
+def composition_of(runs: Runs, rec: dict[str, Any], items: tuple[tuple[str, str], ...], full: NllDump) -> Composition:
     data = runs.nll(rec)
     delta = None
     if data.nll.shape == full.nll.shape and (data.tokens == full.tokens).all():
         delta = paired_delta_ppl(full.nll, data.nll, full.chunk, n_boot=runs.opts.n_boot, seed=runs.opts.seed)
     c = rec.get("cache_stats") or {}
-    stats_path = Path(runs.opts.out / "stats" / f"eval-{safe_name(_name(items))}.json")
+    stats_path = Path(runs.opts.out / "stats" / f"eval-{safe_name(run_name(items))}.json")
     fc = mx = None
     if stats_path.is_file():
         total = json.loads(stats_path.read_text()).get("total", {})
         fc, mx = total.get("subst_first_choice"), total.get("max_subst_weight")
-    return Composition(_name(items), ",".join(f"{k}={v}" for k, v in items[:-2]), float(rec["ppl"]), delta,
-                       _mass(rec), c.get("substitution_rate"), fc, mx)
+    return Composition(run_name(items), ",".join(f"{k}={v}" for k, v in items[:-2]), float(rec["ppl"]), delta,
+                       record_mass(rec), c.get("substitution_rate"), fc, mx)
 
 
 def search_light_edge(mass_of: Any, target: float, upper: float, tolerance: float, max_steps: int) -> tuple[
@@ -178,23 +196,25 @@ def run_composition(opts: CompositionOptions, runner: Runner, info: ModelInfo, *
         raise HarnessError(f"the mass tolerance must be in (0, 1), got {opts.tolerance}")
     slots = slots_for_residency(opts.residency, info.n_expert, info.n_expert_used)
     calib = opts.out / "calibration.txt"
-    calib_text = calibration_text(opts.text.read_text(), opts.calib_offset, opts.calib_chars)
+    if opts.calib_text is not None and not opts.calib_text.is_file():
+        raise HarnessError(f"cannot read the calibration text {opts.calib_text}: no such file")
+    calib_text = calibration_text((opts.calib_text or opts.text).read_text(), opts.calib_offset, opts.calib_chars)
     if not calib.is_file() or calib.read_text() != calib_text:
         calib.write_text(calib_text)
-    runs = _Runs(opts, runner, env, opts.model, opts.text, calib, slots, progress)
+    runs = Runs(opts, runner, env, opts.model, opts.text, calib, slots, progress)
     full_rec = runs.run("eval", None)
     full = runs.nll(full_rec)
     levels: list[MassLevel] = []
     for lo in opts.heavy_los:
         heavy_items = band_items(lo=lo, evict=opts.evict)
-        h_cal = _mass(runs.run("calib", heavy_items))
+        h_cal = record_mass(runs.run("calib", heavy_items))
         if h_cal is None or h_cal <= 0:
             levels.append(MassLevel(lo, h_cal, None, (), None, None, None,
                                     f"the heavy band lo={lo:g} substituted nothing on the calibration text"))
             continue
 
         def light_mass(hi: float) -> float:
-            m = _mass(runs.run("calib", band_items(hi=hi, evict=opts.evict)))
+            m = record_mass(runs.run("calib", band_items(hi=hi, evict=opts.evict)))
             if m is None:
                 raise HarnessError("a calibration run recorded no cache statistics")
             return m
@@ -206,8 +226,8 @@ def run_composition(opts: CompositionOptions, runner: Runner, info: ModelInfo, *
                                     f"calibration text, below the heavy band's {h_cal:.4f}"))
             continue
         light_items = band_items(hi=edge, evict=opts.evict)
-        heavy = _composition(runs, runs.run("eval", heavy_items), heavy_items, full)
-        light = _composition(runs, runs.run("eval", light_items), light_items, full)
+        heavy = composition_of(runs, runs.run("eval", heavy_items), heavy_items, full)
+        light = composition_of(runs, runs.run("eval", light_items), light_items, full)
         pair = None
         hn, ln = runs.nll(runs.run("eval", heavy_items)), runs.nll(runs.run("eval", light_items))
         if hn.nll.shape == ln.nll.shape and (hn.tokens == ln.tokens).all():

@@ -3,9 +3,12 @@ returning text. Every +/- says what it is."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from harness.domain.catalogue import FRONTIER_FAMILIES
 from harness.domain.costmodel import load_profile
 from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult
+from harness.domain.verdicts import DomainRow, MatchedResult
 from harness.report.tables import (
     FRONTIER_HEADER,
     RAM_COLUMNS,
@@ -181,19 +184,64 @@ def render_topics_markdown(result: TopicResult) -> str:
 # ---- study ------------------------------------------------------------------------------------------------------
 
 
+def matched_lines(m: MatchedResult | None, note: str) -> list[str]:
+    """The matched runs of findings 1 and rank against weight: each arm on the evaluation tokens, and the searches."""
+    lines = ["## Matched runs (finding 1 at equal count, rank against weight at equal mass)", ""]
+    if m is None:
+        return [*lines, note, ""]
+    rows = [[x.name, x.spec, delta_cell(x.delta) if x.delta else "-",
+             "-" if x.substitution_rate is None else f"{x.substitution_rate:.2%}",
+             "-" if x.substituted_mass is None else f"{x.substituted_mass:.4f}",
+             "-" if x.subst_first_choice is None else str(x.subst_first_choice)]
+            for x in (m.rule, m.lightest, m.heavy_nonfirst, m.light_first) if x is not None]
+    lines += [md_table(["run", "spec", "delta PPL vs full [95% CI]", "substituted", "mass", "first choices subst."],
+                       rows), "",
+              f"Calibration text: {m.calib_text}. Lightest-first's edge, searched on the substitution rate: " +
+              (", ".join(f"hi={s.hi:g}: {s.mass:.4f}" for s in m.rate_steps) or "not searched") +
+              f" (chosen: {m.lightest_hi if m.lightest_hi is not None else 'none'}). Light first choices' edge, "
+              "searched on the mass: " + (", ".join(f"hi={s.hi:g}: {s.mass:.4f}" for s in m.mass_steps) or
+                                          "not searched") +
+              f" (chosen: {m.light_first_hi if m.light_first_hi is not None else 'none'}).", ""]
+    if m.q is not None:
+        lines += [f"The 0.15 rule vs lightest-first, paired: {delta_cell(m.q)}.", ""]
+    if m.r is not None:
+        lines += [f"Heavy non-first vs light first choices, paired: {delta_cell(m.r)}.", ""]
+    lines += [f"- {n}" for n in m.notes] + ([""] if m.notes else [])
+    return lines
+
+
+def domain_lines(rows: Sequence[DomainRow], note: str) -> list[str]:
+    """The study's paired comparisons per domain of the text; "differs" names a domain whose CI lies on the other
+    side of 0 from the whole text's."""
+    lines = ["## Per domain", ""]
+    if not rows:
+        return [*lines, note or "no comparisons to split", ""]
+    domains = [d for d, _ in rows[0].by_domain]
+    cells = [[r.comparison, delta_cell(r.whole), *(delta_cell(x) if x else "-" for _, x in r.by_domain),
+              ", ".join(r.differs) or "-"] for r in rows]
+    return [*lines, md_table(["comparison", "whole text", *domains, "differs by domain"], cells), ""]
+
+
 def render_study_markdown(result: StudyResult) -> str:
     o = result.options
     c = result.compare
+    info = c.plan.info
     lines = ["# The study's findings, re-tested", "",
-             f"Model `{shown(c.options.model)}`, {o.residency:.0%} of each layer's experts resident "
-             f"({c.plan.slots.slots_per_layer} of {c.plan.info.n_expert} slots per layer), "
+             f"Model `{shown(c.options.model)}` ({info.n_expert} experts per layer, top-{info.n_expert_used}), "
+             f"{o.residency:.0%} of each layer's experts resident "
+             f"({c.plan.slots.slots_per_layer} of {info.n_expert} slots per layer), "
              f"text `{shown(c.options.text)}`, "
              f"context {o.n_ctx}. Everything runs in the patched build's emulate mode on the same tokens; every "
              "delta is paired, with a 95% CI from a block bootstrap over chunks. Regenerate with "
-             f"`{' '.join(o.argv) or 'harness study'}`.", "", "## Verdicts", ""]
-    word = {True: "held", False: "did not hold", None: "not tested"}
+             f"`{' '.join(o.argv) or 'harness study'}`.", ""]
+    lines += [*result.header, "", "## Verdicts", "",
+              "The rules were fixed before the runs (docs/study-verdicts.md); each ends in held, did not hold or "
+              "inconclusive (the numbers cannot decide, or a run is missing).", ""]
+    word = {True: "held", False: "did not hold", None: "inconclusive"}
     for v in result.verdicts:
         lines += [f"- **{v.finding}: {word[v.held]}.** {v.evidence}."]
+    lines += ["", *matched_lines(result.matched, result.matched_note)]
+    lines += domain_lines(result.domain_rows, result.domain_note)
     lines += ["", "## Policies against the full model", "",
               md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass", "fetches/token"],
                        [list(quality_cells(q)) for q in c.quality]), ""]
