@@ -256,6 +256,33 @@ def table_docs() -> Iterator[Doc]:
         yield "tables", str(p), text
 
 
+def write_corpus_stats(work: Path, stats: dict[str, list[int]]) -> None:
+    for domain, (n, c) in stats.items():
+        print(f"train {domain}: {n} documents, {c} characters")
+    (work / "corpus_stats.json").write_text(json.dumps(
+        {d: {"documents": n, "characters": c} for d, (n, c) in stats.items()}, indent=1) + "\n")
+
+
+def write_held_out(docs: dict[str, list[Doc]], targets: dict[str, int], text_path: Path, sources_path: Path,
+                   label: str) -> None:
+    """Whole documents (each cut at 20k characters), in the order given, until each domain's target; the text and
+    its manifest of sources."""
+    parts: list[str] = []
+    manifest = []
+    for domain, target in targets.items():
+        got = 0
+        for _, src, text in docs[domain]:
+            if got >= target:
+                break
+            t = text[:20_000].strip("\n") + "\n"
+            parts.append(t)
+            manifest.append({"domain": domain, "source": src, "chars": len(t)})
+            got += len(t)
+        print(f"{label} {domain}: {got} characters")
+    text_path.write_text("\n".join(parts), encoding="utf-8")
+    sources_path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 # --- the study corpus's extra sources (--corpus study) ---------------------------------------------
 
 PY_DIST = Path("/usr/lib/python3/dist-packages")
@@ -370,25 +397,11 @@ def build_study(work: Path, eval_dir: Path) -> int:
                 s[0] += 1
                 s[1] += len(text)
     tmp.replace(work / "train.jsonl")
-    for domain, (n, c) in stats.items():
-        print(f"train {domain}: {n} documents, {c} characters")
-    (work / "corpus_stats.json").write_text(json.dumps(
-        {d: {"documents": n, "characters": c} for d, (n, c) in stats.items()}, indent=1) + "\n")
-    # heldout-docs.txt: whole bucket-0 documents of the new kinds (cut at 20k characters), in SHA-1 order
-    parts: list[str] = []
-    manifest = []
-    for domain in ("code", "prose"):
-        got = 0
-        for _, src, text in sorted(held[domain], key=lambda d: hashlib.sha1(d[1].encode()).hexdigest()):
-            if got >= HELDOUT_DOCS_TARGET_CHARS[domain]:
-                break
-            t = text[:20_000].strip("\n") + "\n"
-            parts.append(t)
-            manifest.append({"domain": domain, "source": src, "chars": len(t)})
-            got += len(t)
-        print(f"heldout-docs {domain}: {got} characters")
-    (eval_dir / "heldout-docs.txt").write_text("\n".join(parts), encoding="utf-8")
-    (eval_dir / "heldout-docs-sources.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_corpus_stats(work, stats)
+    # heldout-docs.txt: whole bucket-0 documents of the new kinds, in SHA-1 order of their paths
+    by_hash = {d: sorted(docs, key=lambda x: hashlib.sha1(x[1].encode()).hexdigest()) for d, docs in held.items()}
+    write_held_out(by_hash, HELDOUT_DOCS_TARGET_CHARS, eval_dir / "heldout-docs.txt",
+                   eval_dir / "heldout-docs-sources.json", "heldout-docs")
     return 0
 
 
@@ -429,27 +442,10 @@ def main() -> int:
                     s = stats.setdefault(domain, [0, 0])
                     s[0] += 1
                     s[1] += len(text)
-    for domain, (n, c) in stats.items():
-        print(f"train {domain}: {n} documents, {c} characters")
-    (work / "corpus_stats.json").write_text(json.dumps(
-        {d: {"documents": n, "characters": c} for d, (n, c) in stats.items()}, indent=1) + "\n")
+    write_corpus_stats(work, stats)
 
     # heldout.txt: whole documents (truncated to 20k characters each) until each domain's target
-    parts: list[str] = []
-    manifest = []
-    for domain in ("code", "prose", "tables"):
-        got = 0
-        for _, src, text in held[domain]:
-            if got >= HELDOUT_TARGET_CHARS[domain]:
-                break
-            t = text[:20_000].strip("\n") + "\n"
-            parts.append(t)
-            manifest.append({"domain": domain, "source": src, "chars": len(t)})
-            got += len(t)
-        print(f"heldout {domain}: {got} characters")
-    heldout = "\n".join(parts)
-    (eval_dir / "heldout.txt").write_text(heldout, encoding="utf-8")
-    (eval_dir / "heldout-sources.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_held_out(held, HELDOUT_TARGET_CHARS, eval_dir / "heldout.txt", eval_dir / "heldout-sources.json", "heldout")
 
     # topic-shift.txt: segments of ~TOPIC_SEGMENT_CHARS from bucket-1 documents, cut at line ends
     next_doc = {d: 0 for d in shift}
