@@ -17,12 +17,12 @@ runs with the experts on Vulkan0 (`-ngl 99`): it then computes them with the dev
 - vram=: the plan from what the device holds, and the allocations the device logs (GGML_VK_MEMORY_LOGGER) equal to
   it: the weights and the banks exactly, the highest total within the budget;
 - a read failure mid-run (host=file, three tiers) is one line and a failed request, the server keeps running;
+  so is a copy failure (the engine's test hook LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER);
 - harness compare --backend vulkan end to end.
 
 Skipped with the reason when the Vulkan builds or a Vulkan device are missing; with MOE_SUBST_REQUIRE_DEVICE=1 they fail
-instead, so that a CI that sets it cannot pass without running them (.ci/run does not build Vulkan yet: see there).
-17 tests, about 11 minutes on 2 cores
-shared with builds (each llama.cpp run 15-35 s on lavapipe).
+instead, so that a CI that sets it cannot pass without running them (.ci/run sets it, after ./build.sh --vulkan).
+19 tests, 11-20 minutes on 2 cores shared with other work (each llama.cpp run 15-35 s on lavapipe).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -411,21 +412,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.parametrize("tiers", ["host=file", "host=file,ram_slots=50%"])
-def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: Path) -> None:
-    """The model file truncated under a running llama-server (banks on Vulkan0): the next read of a missed expert
-    fails (with three tiers: the read into the RAM tier that the copy stream's copy to the device waits on), one
-    line names the read and the file, the request fails with "Compute aborted.", the server keeps running and
-    fails the next request the same way: never a crash or a wrong answer."""
+def serve_two_requests(vulkan: Vulkan, model: Path, spec: str, log_path: Path, *, env: dict[str, str] | None = None,
+                       before: Callable[[], object] | None = None) -> tuple[str, str]:
+    """llama-server on Vulkan0 (banks there) with the cache spec; once it is up, before() (if given), then two
+    completions; the server must still run after them. Returns both answers (an error's body for a failed one);
+    the server's log is in log_path."""
     import time
     import urllib.error
     import urllib.request
 
-    model = tmp_path / "copy.gguf"
-    shutil.copy(MODEL, model)
     port = _free_port()
-    env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}, **DEVICE_ENV}
-    log_path = tmp_path / "server.log"
+    full_env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}, **DEVICE_ENV, **(env or {})}
 
     def complete() -> str:
         req = urllib.request.Request(f"http://127.0.0.1:{port}/completion",
@@ -440,8 +437,8 @@ def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: P
     with log_path.open("w") as log:
         proc = subprocess.Popen([str(vulkan.patched.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
                                  "--port", str(port), "-c", "256", "-ub", "1", "-t", THREADS, "--no-warmup", "-lv", "4",
-                                 *PLACEMENT, "--moe-cache", f"mode=engine,policy=fetch-all,slots=16,{tiers}"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 *PLACEMENT, "--moe-cache", spec],
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 120
             while time.time() < deadline and proc.poll() is None:
@@ -452,7 +449,8 @@ def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: P
                 except OSError:
                     time.sleep(0.3)
             assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-            os.truncate(model, model.stat().st_size // 3)
+            if before is not None:
+                before()
             first, second = complete(), complete()
             assert proc.poll() is None  # the server still runs
         finally:
@@ -462,11 +460,47 @@ def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: P
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    return first, second
+
+
+@pytest.mark.parametrize("tiers", ["host=file", "host=file,ram_slots=50%"])
+def test_device_read_failure_is_one_line(tiers: str, vulkan: Vulkan, tmp_path: Path) -> None:
+    """The model file truncated under a running llama-server (banks on Vulkan0): the next read of a missed expert
+    fails (with three tiers: the read into the RAM tier that the copy stream's copy to the device waits on), one
+    line names the read and the file, the request fails with "Compute aborted.", the server keeps running and
+    fails the next request the same way: never a crash or a wrong answer."""
+    model = tmp_path / "copy.gguf"
+    shutil.copy(MODEL, model)
+    log_path = tmp_path / "server.log"
+    first, second = serve_two_requests(vulkan, model, f"mode=engine,policy=fetch-all,slots=16,{tiers}", log_path,
+                                       before=lambda: os.truncate(model, model.stat().st_size // 3))
     out = log_path.read_text(errors="replace")
     assert BANKS_ON_DEVICE.search(out), out[-3000:]
     assert "Compute aborted." in first and "Compute aborted." in second, (first, second)
     assert out.count("host=file: short read of") == 1 and str(model) in out, out[-3000:]
     assert "truncated or damaged after loading" in out, out[-3000:]
+
+
+# a copy into a bank that fails (test hook: every copy after the first N of the process): past the initial fill
+# (a few dozen copies), well before the first request's end (hundreds)
+COPY_FAIL_AFTER = "100"
+
+
+@pytest.mark.parametrize("policy", ["fetch-all", "speed"])
+def test_device_copy_failure_is_one_line(policy: str, vulkan: Vulkan, tmp_path: Path) -> None:
+    """A copy into the device banks that fails mid-run (LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER, the engine's test
+    hook: ggml's backends abort on a real failed copy, so nothing else makes one), on the copy stream (fetch-all:
+    every copy a fetch; speed: background admissions too): the copy is not made, one line names it, the request
+    fails with "Compute aborted." instead of computing with a slot that does not hold its expert, the server keeps
+    running and fails the next request the same way."""
+    log_path = tmp_path / "server.log"
+    first, second = serve_two_requests(vulkan, MODEL, f"mode=engine,policy={policy},slots=16", log_path,
+                                       env={"LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER": COPY_FAIL_AFTER})
+    out = log_path.read_text(errors="replace")
+    assert BANKS_ON_DEVICE.search(out) and COPY_STREAM in out, out[-3000:]
+    assert "Compute aborted." in first and "Compute aborted." in second, (first, second)
+    assert out.count("failed (a test fault: LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER=100)") == 1, out[-3000:]
+    assert "every decode now fails" in out, out[-3000:]
 
 
 def test_device_synth_model(vulkan: Vulkan, tmp_path: Path, text: Path) -> None:

@@ -405,15 +405,15 @@ void llama_expert_cache_impl::reset() {
 
 //
 void llama_expert_cache_impl::chain_abort_callback(bool (*&cb)(void * data), void *& data) {
-    if (!engine || engine->files.empty()) {
-        return;
+    if (!engine || (engine->files.empty() && !llama_expert_copy_fault_armed())) {
+        return; // only reads from a file (or the copy-failure test hook) fail
     }
     user_abort      = cb;
     user_abort_data = data;
     cb = [](void * p) {
         const auto * cache = (const llama_expert_cache_impl *) p;
         if (cache->engine->failed()) {
-            return true; // the read's failure was logged where it happened
+            return true; // the failed read or copy was logged where it happened
         }
         return cache->user_abort != nullptr && cache->user_abort(cache->user_abort_data);
     };

@@ -3,6 +3,7 @@
 #include "llama-impl.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <chrono>
@@ -12,7 +13,57 @@
 #include <thread>
 #include <vector>
 
+namespace {
+
+// LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER (tests): the transfers that succeed before every later one fails; -1: unset
+int64_t copy_fail_after() {
+    static const int64_t after = [] {
+        const char * s = getenv("LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER");
+        return s != nullptr && *s != '\0' ? (int64_t) strtoll(s, nullptr, 10) : (int64_t) -1;
+    }();
+    return after;
+}
+
+std::atomic<int64_t> copy_count{0};
+std::atomic<bool>    copy_failed{false};
+std::mutex           copy_error_mtx;
+std::string          copy_error;
+
+} // namespace
+
+bool llama_expert_copy_fault_armed() {
+    return copy_fail_after() >= 0;
+}
+
+bool llama_expert_copy_fault(const llama_expert_transfer & t) {
+    const int64_t after = copy_fail_after();
+    if (after < 0 || copy_count.fetch_add(1) < after) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(copy_error_mtx);
+    if (!copy_failed.load()) {
+        copy_error = format("expert cache: copy of %zu bytes into %s at offset %zu failed (a test fault: "
+            "LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER=%lld); every decode now fails (load the model again)",
+            t.size, ggml_get_name(t.bank), t.offset, (long long) after);
+        LLAMA_LOG_ERROR("%s\n", copy_error.c_str());
+        copy_failed = true;
+    }
+    return true;
+}
+
+bool llama_expert_copy_failed() {
+    return copy_failed.load(std::memory_order_relaxed);
+}
+
+std::string llama_expert_copy_failure() {
+    std::lock_guard<std::mutex> lock(copy_error_mtx);
+    return copy_error;
+}
+
 bool llama_expert_transfer_run(const llama_expert_transfer & t) {
+    if (llama_expert_copy_fault(t)) {
+        return false;
+    }
     switch (t.source) {
         case LLAMA_EXPERT_FROM_MEMORY:
             ggml_backend_tensor_set(t.bank, t.src, t.offset, t.size);
@@ -63,12 +114,15 @@ struct copier_backend : llama_expert_copier {
     // a copy from memory is asynchronous; a read from the file is synchronous, and so is the read into the RAM tier
     // (pinned memory) of a transfer through it, whose copy to the device is asynchronous
     void submit(int32_t, bool, const llama_expert_transfer & t) override {
+        if (llama_expert_copy_fault(t)) {
+            return;
+        }
         switch (t.source) {
             case LLAMA_EXPERT_FROM_MEMORY:
                 ggml_backend_tensor_set_async(backend, t.bank, t.src, t.offset, t.size);
                 break;
             case LLAMA_EXPERT_FROM_FILE:
-                (void) llama_expert_transfer_run(t); // a failure marks the file
+                (void) llama_expert_read_file(t.bank, *t.file, t.file_off, t.offset, t.size, t.name); // a failure marks the file
                 break;
             case LLAMA_EXPERT_THROUGH_RAM:
                 if (llama_expert_read_file(t.ram, *t.file, t.file_off, t.ram_offset, t.size, t.name)) { // a failure marks the file

@@ -32,8 +32,20 @@ struct llama_expert_transfer {
     size_t              ram_offset = 0;
 };
 
-// Run a transfer now, in the calling thread. A failed read marks the file (llama_expert_read_file) and returns false.
+// Run a transfer now, in the calling thread. A failed read marks the file (llama_expert_read_file) and returns false;
+// so does a failed copy (llama_expert_copy_fault).
 bool llama_expert_transfer_run(const llama_expert_transfer & t);
+
+// Test hook: LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER=N fails every transfer into a bank (or the RAM tier) after the
+// process's first N, as a device copy that fails would (ggml's backends abort on a real one: nothing else can make
+// one). The transfer is not made, one line names it, and from then on every compute of the process's engines ends
+// (llama_decode returns 2), as after a failed read. Read once; unset, a transfer pays one comparison.
+// copy_fault(t): whether t fails (the copiers ask before each transfer); armed(): whether the hook is set;
+// failed()/failure(): whether a transfer has failed, and the first one's message.
+bool        llama_expert_copy_fault(const llama_expert_transfer & t);
+bool        llama_expert_copy_fault_armed();
+bool        llama_expert_copy_failed();
+std::string llama_expert_copy_failure();
 
 // Copiers run transfers into the banks. submit() issues one under a mark (one of n_marks); urgent ones (the ubatch's
 // fetches) go before the others; record(m) closes mark m over the transfers issued so far (devices with events),

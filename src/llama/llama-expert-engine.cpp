@@ -470,6 +470,9 @@ int32_t llama_expert_engine::slot_for(int32_t il, const llama_expert_layer_polic
 }
 
 bool llama_expert_engine::failed() const {
+    if (llama_expert_copy_failed()) {
+        return true;
+    }
     for (const auto & [path, f] : files) {
         if (f->failed.load(std::memory_order_relaxed)) {
             return true;
@@ -479,6 +482,9 @@ bool llama_expert_engine::failed() const {
 }
 
 std::string llama_expert_engine::failure() const {
+    if (llama_expert_copy_failed()) {
+        return llama_expert_copy_failure();
+    }
     for (const auto & [path, f] : files) {
         if (f->failed.load()) {
             std::lock_guard<std::mutex> lock(f->error_mtx);

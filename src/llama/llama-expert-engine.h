@@ -121,8 +121,8 @@ struct llama_expert_engine {
 
     void reset_stats();
 
-    // host=file: whether a read from a model file has failed (then every compute must end: the banks are not what
-    // the policy decided), and the first failure's message
+    // whether a read from a model file (host=file) or a copy (the test hook llama_expert_copy_fault) has failed
+    // (then every compute must end: the banks are not what the policy decided), and the first failure's message
     bool        failed() const;
     std::string failure() const;
 
