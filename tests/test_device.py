@@ -22,7 +22,8 @@ runs with the experts on Vulkan0 (`-ngl 99`): it then computes them with the dev
 
 Skipped with the reason when the Vulkan builds or a Vulkan device are missing; with MOE_SUBST_REQUIRE_DEVICE=1 they fail
 instead, so that a CI that sets it cannot pass without running them (.ci/run sets it, after ./build.sh --vulkan).
-19 tests, 11-20 minutes on 2 cores shared with other work (each llama.cpp run 15-35 s on lavapipe).
+19 tests, 7.5 minutes (5.9 CPU-minutes) on 2 cores shared with other work, 17 next to a build (each llama.cpp run
+2-55 s on lavapipe).
 """
 
 from __future__ import annotations
