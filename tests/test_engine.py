@@ -990,6 +990,24 @@ def test_engine_host_file_truncated_after_load(engine_models: dict[str, Path], t
 
 
 @pytest.mark.build
+@pytest.mark.parametrize("copier", ["async=off", "async=thread", "host=file"])
+def test_engine_copy_failure_ends_the_compute(copier: str, engine_models: dict[str, Path], engine_text: Path,
+                                              tmp_path: Path, engine_build: Build) -> None:
+    """A copy into the banks that fails mid-run (the engine's test hook LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER: every
+    copy after the process's first N fails, as a failed device copy would; ggml's backends abort on a real one), in
+    the synchronous copier, the copy thread and the reader threads of host=file: one line names the copy, and the
+    compute ends (llama_decode returns 2, the tool fails to decode) instead of computing with a slot that does not
+    hold its expert; no perplexity is reported. N=50 is past the initial fill (a few copies). The same on a device:
+    tests/test_device.py."""
+    r = run_ppl(engine_build, engine_models["qwen3moe"], engine_text, tmp_path,
+                f"mode=engine,policy=speed,slots=25%,{copier}", ubatch=1, nll=False,
+                env={"LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER": "50"}, want="failed to decode")
+    assert r.output.count("failed (a test fault: LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER=50)") == 1, r.output[-3000:]
+    assert "every decode now fails" in r.output
+    assert "failed to decode" in r.output and "Final estimate" not in r.output, r.output[-3000:]
+
+
+@pytest.mark.build
 def test_output_paths_checked_first_and_fit_probe_writes_nothing(engine_models: dict[str, Path],
                                                                  engine_text: Path, tmp_path: Path,
                                                                  engine_build: Build) -> None:
