@@ -12,6 +12,7 @@
 
 #include "llama-expert-engine.h"
 #include "llama-expert-policy.h"
+#include "llama-expert-replay.h"
 #include "llama-ext.h"
 #include "llama-hparams.h"
 
@@ -58,6 +59,9 @@ struct llama_expert_cache_layer {
     // token-layers that took the prefill bypass (bypass=N), and the bypass's selection counts (scratch)
     uint64_t bypass_tokens = 0;
     std::vector<uint32_t> warm_counts;
+
+    // LLAMA_MOE_CACHE_TEST_REPLAY: the replayed token's expert ids (scratch, k)
+    std::vector<int32_t> replay_ids;
     std::vector<int32_t>  fetched; // engine: the experts a ubatch computes with (scratch)
 
     // actions of the last ubatch, [n_tokens][k], and the factors for the gate weights (llama_expert_layer_policy::decide)
@@ -207,6 +211,7 @@ struct llama_expert_cache_impl {
     int32_t group_max = 1; // largest ubatch decided as a group (group key; group_max*n_used <= n_slots)
     bool    dry_run   = false; // a memory-fitting dry run (-fit's probe): no statistics, profile or trace written
     std::string arch; // the model's architecture, for error messages
+    std::unique_ptr<llama_expert_replay> replay; // LLAMA_MOE_CACHE_TEST_REPLAY (tests, benchmarks): routing from a trace
     bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;

@@ -62,9 +62,20 @@ void llama_expert_cache::reset() {
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
         const char * spec);
 
+// LLAMA_MOE_CACHE_TEST_REPLAY replaces the routing in the cache's route step: a run without the cache would ignore it
+// and look like a replayed one
+static void replay_needs_cache(const llama_model & model) {
+    const char * replay = getenv(LLAMA_EXPERT_REPLAY_ENV);
+    if (replay != nullptr && replay[0] != '\0' && !model.hparams.no_alloc) { // said once, by the real context
+        throw std::runtime_error(std::string(LLAMA_EXPERT_REPLAY_ENV) + " is set, but the expert cache is off: routing "
+            "replay runs in the cache's route step (set LLAMA_MOE_CACHE or --moe-cache, or unset " LLAMA_EXPERT_REPLAY_ENV ")");
+    }
+}
+
 std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory) {
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
+        replay_needs_cache(model);
         return nullptr;
     }
     if (model.hparams.no_alloc) {
@@ -90,6 +101,7 @@ static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + err);
     }
     if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF) {
+        replay_needs_cache(model);
         if (!cfg.off_ignored.empty() && !model.hparams.no_alloc) {
             LLAMA_LOG_WARN("%s: %s='%s': mode=off: the cache is off and %s have no effect\n", __func__,
                 LLAMA_EXPERT_CACHE_ENV, spec, cfg.off_ignored.c_str());
@@ -279,6 +291,24 @@ void llama_expert_cache_impl::init_end(int32_t n_moe) {
     trace_top = std::min<uint32_t>(cfg.trace_top, (uint32_t) n_expert);
     if (!cfg.trace.empty() && !dry_run) {
         trace_open();
+    }
+    const char * replay_path = getenv(LLAMA_EXPERT_REPLAY_ENV);
+    if (replay_path != nullptr && replay_path[0] != '\0' && !dry_run) {
+        if (cfg.prefetch) {
+            throw std::runtime_error(std::string(LLAMA_EXPERT_REPLAY_ENV) + " with prefetch=on: the prediction comes from "
+                "the model's own routers, unrelated to the replayed routing; give prefetch=off");
+        }
+        std::vector<bool> moe(n_layer, false);
+        for (int32_t il = 0; il < n_layer; ++il) {
+            moe[il] = layers[il]->moe;
+        }
+        auto r = std::make_unique<llama_expert_replay>();
+        std::string err;
+        if (!r->load(replay_path, n_expert, n_used, moe, err)) {
+            throw std::runtime_error(err);
+        }
+        replay = std::move(r);
+        LLAMA_LOG_WARN("%s: %s\n", who, replay->describe().c_str());
     }
 
     LLAMA_LOG_INFO("%s: mode = %s, policy = %s (rule = %s, tau = %.3f, evict = %s, admit = %s, beta = %.3f, lfu halving every %u tokens)\n",

@@ -279,6 +279,14 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         }
 
         const float * scores = route_gate(L, id, lg, bias ? (const float *) bias->data : nullptr, k, E, need_probs);
+        if (cache.replay) {
+            // tests and benchmarks: this token-layer's experts and gate weights from a recorded trace (the router's
+            // scores stay the model's: a substitute is still chosen among resident experts by them)
+            GGML_ASSERT(k == cache.n_used);
+            L.replay_ids.resize(k);
+            cache.replay->next(L.il, L.replay_ids.data(), w);
+            id = L.replay_ids.data();
+        }
         if (cache.test_gating) {
             std::copy(w, w + k, L.gate_w.data() + t*k);
         }
