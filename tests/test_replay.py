@@ -20,7 +20,8 @@ from harness.tools.synth import SynthSpec, synth_text, write_synth_model
 REPLAY_ENV = "LLAMA_MOE_CACHE_TEST_REPLAY"
 
 
-def ppl(build: Build, model: Path, text: Path, spec: str | None, replay: Path | None) -> subprocess.CompletedProcess[str]:
+def ppl(build: Build, model: Path, text: Path, spec: str | None,
+        replay: Path | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_MOE_CACHE", REPLAY_ENV)}
     if spec is not None:
         env["LLAMA_MOE_CACHE"] = spec
@@ -75,7 +76,8 @@ def test_replayed_selections_are_the_trace(patched_build: Build, shapes: dict[st
         assert matches, f"layer {layer}: the first replayed rows are not the source's from record {start} on"
         idx = (start + matches[0] + np.arange(len(mine))) % n_src
         if layer >= 2:
-            assert start > 0 and start + matches[0] + len(mine) > n_src  # a later starting point, and the cursor wrapped
+            # a later starting point, and the cursor wrapped
+            assert start > 0 and start + matches[0] + len(mine) > n_src
         np.testing.assert_array_equal(mine["ids"], src_layer["ids"][idx], err_msg=f"layer {layer}")
         np.testing.assert_array_equal(mine["weights"], src_layer["weights"][idx], err_msg=f"layer {layer}")
     # the replay changed the routing (the target's own router chooses other experts)
