@@ -6,7 +6,8 @@ import each other in a circle (tests/test_layers.py checks both):
 - `cli`: the `harness` command, an argparse adapter (parse, call one function, render); `cli.options` holds the
   options that several commands share.
 - `orchestration`: the commands: compare (its `planner`, run `executor`, `serialise`r of records and options,
-  `summary` statistics), sweep, frontier, topics, study, check, simulate, doctor, and `rerender` (`harness report`).
+  `summary` statistics), sweep, frontier, topics, study, check, simulate, doctor, bpb, and `rerender` (`harness
+  report`).
   They run tools, summarise and write report.md through the report layer.
 - `report`: renderers, pure functions of results: terminal tables, markdown, simulate's tables, plots.
 - `domain`: what the layers hand each other: the policy `catalogue`, the perplexity `settings`, options,
@@ -18,8 +19,8 @@ import each other in a circle (tests/test_layers.py checks both):
   metadata; `synth_tokenizer`: the tokenizer trainer and test text), datasets.
 - `parsers`: the text and binary formats, into frozen dataclasses: what the tools write (perplexity,
   llama-bench, memory breakdown, the cache's budget plan line, cache statistics, llama-moe-sim's output, router
-  traces, NLL dumps), GGUF metadata, and check's baseline file.
-- `stats`: pure statistics of numbers: intervals, paired deltas, correlation, the Pareto frontier.
+  traces, NLL dumps), GGUF metadata (and a vocabulary's bytes per token, `vocab`), and check's baseline file.
+- `stats`: pure statistics of numbers: intervals, paired deltas, correlation, the Pareto frontier, bits per byte.
 - `core`: the error type, sizes, where things are (project root, pin, builds), JSON Lines records.
 
 The issue behind this order listed report below stats; here report sits above domain (and so above tools,

@@ -381,6 +381,39 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.set_defaults(func=_cmd_study)
 
 
+# ---- bpb ----------------------------------------------------------------------------------------------------
+
+def _cmd_bpb(args: argparse.Namespace) -> int:
+    from harness.domain.bpb import BpbOptions
+    from harness.orchestration import bpb
+    from harness.report.bpb import render_bpb_json, render_bpb_terminal
+
+    opts = BpbOptions(out=options.out_dir(args, f"bpb-{args.model.stem}-{(args.text or bpb.DEFAULT_TEXT).stem}"),
+                      model=args.model, seed=args.seed, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("bpb", lambda progress: bpb.bpb(opts, progress))
+    if args.json:
+        print(render_bpb_json(result), end="")
+    else:
+        console.print(render_bpb_terminal(result), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def _add_bpb(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    b = sub.add_parser("bpb", help="bits per byte of a text: cross-entropy per byte, comparable between models with "
+                       "different tokenizers")
+    b.add_argument("model", type=Path, help="a .gguf model with a byte-level BPE vocabulary")
+    options.add_text(b, "the text (default: eval/data/heldout.txt)")
+    options.add_ctx(b, 0, "context: chunks of this many tokens, the second half of each scored (default: the "
+                    "model's training context, or 512 when it states none)")
+    options.add_chunks(b, 0, "chunks, 0 = all (default: %(default)s)")
+    options.add_threads(b)
+    options.add_out(b, "results folder (default: results/bpb-MODEL-TEXT); an existing one is resumed")
+    b.add_argument("--json", action="store_true", help="print the result as JSON (what bpb.json in the results "
+                   "folder holds)")
+    options.add_seed(b)
+    b.set_defaults(func=_cmd_bpb)
+
+
 # ---- composition (Experiment B), generate -------------------------------------------------------------------
 
 def _cmd_composition(args: argparse.Namespace) -> int:
@@ -584,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_study(sub)
     _add_composition(sub)
     _add_generate(sub)
+    _add_bpb(sub)
     _add_simulate(sub)
     return p
 

@@ -31,6 +31,7 @@ FRONTIER_GRID_KEYS = ("families", "fractions", "taus", "admits", "evicts", "j", 
                       "kmins", "ts")
 TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", "window", "n_ctx", "chunks",
                      "threads", "n_boot", "seed", "argv")
+BPB_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
 
 
 def _json_value(v: Any) -> Any:
@@ -202,3 +203,9 @@ def topics_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, 
                        binaries: dict[str, str]) -> str:
     return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": n_ctx, "chunks": chunks,
                     "policy": policy, "slots": slots, "binaries": binaries, "command": "topics"})
+
+
+def bpb_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, binaries: dict[str, str]) -> str:
+    """What a resumed bpb run must share: the model and the text (path, size, mtime), context, chunks, binaries."""
+    return _digest({"model": _model_stat(model), "text": _model_stat(text), "n_ctx": n_ctx, "chunks": chunks,
+                    "binaries": binaries, "command": "bpb"})
