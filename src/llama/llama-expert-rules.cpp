@@ -84,6 +84,7 @@ static std::string describe_ser(const llama_expert_params & p, int32_t, int32_t)
 static std::string describe_band(const llama_expert_params & p, int32_t, int32_t) {
     const std::string lo = std::to_string(p.band_min_rank), hi = std::to_string(p.band_max_rank);
     const std::string ranks =
+        p.band_max_rank == p.band_min_rank ? "at rank " + lo + " only" :
         p.band_max_rank >= 0 ? (p.band_min_rank > 0 ? "at ranks " + lo + " to " + hi : "at ranks <= " + hi) :
         p.band_min_rank > 0  ? "at ranks >= " + lo : "at any rank";
     return describe_format("band: misses with gate weight in [%.3f, %s) substituted %s, the others fetched%s", p.band_lo,

@@ -553,7 +553,9 @@ static void test_band_max_rank() {
 
     // the start-up log's line and the statistics' config block (no max_rank: the last rank, k - 1)
     CHECK(llama_expert_rule_describe(row, llama_expert_cache_config_params(cfg_of("rule=band,hi=0.15,max_rank=0")), 4, 16) ==
-          "band: misses with gate weight in [0.000, 0.150000) substituted at ranks <= 0, the others fetched");
+          "band: misses with gate weight in [0.000, 0.150000) substituted at rank 0 only, the others fetched");
+    CHECK(llama_expert_rule_describe(row, llama_expert_cache_config_params(cfg_of("rule=band,max_rank=2")), 4, 16) ==
+          "band: misses with gate weight in [0.000, 1]) substituted at ranks <= 2, the others fetched");
     CHECK(llama_expert_rule_describe(row, llama_expert_cache_config_params(cfg_of("rule=band,lo=0.15,min_rank=1,max_rank=2")), 4, 16) ==
           "band: misses with gate weight in [0.150, 1]) substituted at ranks 1 to 2, the others fetched");
     CHECK(llama_expert_cache_config_json(cfg_of("rule=band,max_rank=0"), 16, 4, 8, "").find("\"band_max_rank\": 0,\n") != std::string::npos);
