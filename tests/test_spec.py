@@ -114,8 +114,8 @@ CASES = [
     ("rule=band,lo=0,hi=0.15,max_rank=0", "ok"),
     ("rule=band,lo=0.15,hi=1,min_rank=1", "ok"),
     ("rule=band,min_rank=1,max_rank=1", "ok"),
-    ("rule=band,min_rank=2,max_rank=1", "error: rule=band substitutes at the ranks in [min_rank, max_rank]: min_rank (2) "
-                                        "must not be above max_rank (1)"),
+    ("rule=band,min_rank=2,max_rank=1",
+     "error: rule=band substitutes at the ranks in [min_rank, max_rank]: min_rank (2) must not be above max_rank (1)"),
     ("rule=band,max_rank=-1", "error: bad value '-1' for key 'max_rank' (accepted: the last rank the band substitutes "
                               "at, in [0, k-1]"),
     ("rule=first-choice,max_rank=0", "error: max_rank applies to rule=band, not to rule=first-choice"),
