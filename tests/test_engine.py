@@ -216,6 +216,32 @@ def test_engine_decode_equals_emulate_anchor_policies(spec: str, engine_models: 
 
 
 @pytest.mark.build
+def test_engine_band_max_rank_substitutes_only_first_choices(engine_models: dict[str, Path], engine_text: Path,
+                                                             tmp_path: Path, engine_build: Build) -> None:
+    """rule=band with max_rank=0 (issue 22): every first-choice miss is substituted and no miss at a rank >= 1 is,
+    in engine mode as in emulate mode; without max_rank the same band substitutes at later ranks too (so the
+    assertion on max_rank=0 can fail)."""
+    model = engine_models["qwen3moe"]
+    spec = "rule=band,lo=0,hi=1,max_rank=0,slots=25%"
+    emu = run_ppl(engine_build, model, engine_text, tmp_path / "emu", f"mode=emulate,{spec}", ubatch=1)
+    eng = run_ppl(engine_build, model, engine_text, tmp_path / "eng", f"mode=engine,{spec}", ubatch=1)
+    every = run_ppl(engine_build, model, engine_text, tmp_path / "every", "mode=emulate,rule=band,lo=0,hi=1,slots=25%",
+                    ubatch=1)
+    for r in (emu, eng, every):
+        check_ok(r)
+    assert emu.stats is not None and eng.stats is not None and every.stats is not None
+    check_consistent(eng.stats)
+    same_decisions(emu.stats, eng.stats)
+    t = eng.stats["total"]
+    assert eng.stats["config"]["band_max_rank"] == 0
+    assert t["substitutions"] == t["subst_first_choice"] > 0
+    assert t["fetches"] > 0  # the misses at ranks >= 1
+    assert every.stats["total"]["substitutions"] > every.stats["total"]["subst_first_choice"]
+    assert emu.nll is not None and eng.nll is not None
+    np.testing.assert_allclose(eng.nll, emu.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.build
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_large_ubatch_equals_emulate(arch: str, engine_models: dict[str, Path], engine_text: Path,
                                             tmp_path: Path, engine_build: Build) -> None:

@@ -417,6 +417,12 @@ SPECS = [
     "rule=band,hi=0.08,admit=0.5,slots=20",
     # band at ranks >= 1 only (min_rank, added through the rule and key tables): a first choice is never substituted
     "rule=band,lo=0.1,min_rank=1,evict=lfu,slots=25%",
+    # band up to a rank (max_rank, issue 22): every first-choice miss, the light first choices only (hi=0.3: with
+    # k = 8 a first choice weighs at least 1/8, and below 0.15 none misses on this model) and heavy non-first
+    # choices at ranks 1 to 2
+    "rule=band,lo=0,hi=1,max_rank=0,evict=lfu,slots=25%",
+    "rule=band,lo=0,hi=0.3,max_rank=0,slots=20",
+    "rule=band,lo=0.15,hi=1,min_rank=1,max_rank=2,slots=25%",
     # prefetch (issue 13 item 2): the trace carries each token-layer's prediction (layer 1 of 3 is predicted)
     "policy=quality,prefetch=on,slots=25%",
     "policy=fetch-all,evict=lfu,prefetch=on,slots=12",
@@ -451,6 +457,11 @@ def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model
         assert t["prefetches"] > 0 and engine["layers"][1]["prefetches"] > 0
     if "min_rank=1" in spec:
         assert engine["config"]["band_min_rank"] == 1 and t["subst_first_choice"] == 0
+    if "rule=band" in spec:  # no max_rank: the last rank, k - 1
+        given = dict(kv.split("=") for kv in spec.split(",")).get("max_rank")
+        assert engine["config"]["band_max_rank"] == (int(given) if given else engine["config"]["n_expert_used"] - 1)
+    if "max_rank=0" in spec:  # only first choices substituted
+        assert t["subst_first_choice"] == t["substitutions"] > 0
 
 
 @pytest.mark.build

@@ -254,6 +254,11 @@ static bool spec_key_min_rank(const std::string & val, llama_expert_cache_config
     return parse_int(val, 0, 65536, v) && (cfg.band_min_rank = (int32_t) v, true);
 }
 
+static bool spec_key_max_rank(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, 65536, v) && (cfg.band_max_rank = (int32_t) v, true);
+}
+
 static bool spec_key_renorm(const std::string & val, llama_expert_cache_config & cfg)   { return parse_choice(val, "on", "off", cfg.renorm); }
 static bool spec_key_light(const std::string & val, llama_expert_cache_config & cfg)    { return parse_choice(val, "host", "substitute", cfg.light_host); }
 static bool spec_key_prefetch(const std::string & val, llama_expert_cache_config & cfg) { return parse_choice(val, "on", "off", cfg.prefetch); }
@@ -534,6 +539,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             ") must be below hi (" + std::to_string(cfg.band_hi) + ")";
         return false;
     }
+    if (rule == LLAMA_EXPERT_MISS_BAND && cfg.band_max_rank >= 0 && cfg.band_min_rank > cfg.band_max_rank) {
+        err = "rule=band substitutes at the ranks in [min_rank, max_rank]: min_rank (" + std::to_string(cfg.band_min_rank) +
+            ") must not be above max_rank (" + std::to_string(cfg.band_max_rank) + ")";
+        return false;
+    }
     for (const auto & [key, val] : kv) {
         if (key_of_another_rule(key, rule, err)) {
             return false;
@@ -622,6 +632,10 @@ bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, in
     if (cfg.rule == LLAMA_EXPERT_MISS_BAND && cfg.band_min_rank > k) {
         return bad_value(err, "min_rank", std::to_string(cfg.band_min_rank), ("a rank in [0, " + ks + "], the experts used per token").c_str());
     }
+    if (cfg.rule == LLAMA_EXPERT_MISS_BAND && cfg.band_max_rank >= k) {
+        return bad_value(err, "max_rank", std::to_string(cfg.band_max_rank),
+            ("a rank in [0, " + std::to_string(k - 1) + "], below the experts used per token (" + ks + ")").c_str());
+    }
     if (cfg.rule == LLAMA_EXPERT_MISS_SER && cfg.ser_kmin > k) {
         return bad_value(err, "kmin", std::to_string(cfg.ser_kmin), ("a number of ranks in [1, " + ks + "], the experts used per token").c_str());
     }
@@ -668,6 +682,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     p.band_lo            = cfg.band_lo;
     p.band_hi            = cfg.band_hi;
     p.band_min_rank      = cfg.band_min_rank;
+    p.band_max_rank      = cfg.band_max_rank;
     p.renorm             = cfg.renorm;
     p.light_host         = cfg.light_host;
     p.prefetch           = cfg.prefetch;
