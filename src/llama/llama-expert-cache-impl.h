@@ -210,6 +210,7 @@ struct llama_expert_cache_impl {
     bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
+    int32_t first_moe = -1; // the first MoE layer, whose route step checks the model files once per ubatch (host=file)
 
     // router trace
     FILE *   trace       = nullptr;

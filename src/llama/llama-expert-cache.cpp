@@ -228,6 +228,7 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router
     for (int32_t il = 0, prev = -1; il < n_layer; ++il) {
         if (layers[il]->moe) {
+            first_moe = first_moe < 0 ? il : first_moe;
             if (prev >= 0 && il < (int32_t) model.layers.size() && model.layers[il].ffn_gate_inp != nullptr) {
                 layers[prev]->next_moe = il;
             }

@@ -204,6 +204,11 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     const bool banked = cache.banked(dst);
 
+    if (cache.engine && L.il == cache.first_moe && !cache.engine->files.empty()) {
+        // host=file, once per ubatch: a model file changed in place is marked failed, and the cache's abort callback
+        // ends this compute (the loader's mapping of the other weights is the changed file too)
+        cache.engine->check_files();
+    }
     if (cache.engine) {
         // the background copies issued at this layer's previous step have completed (GPU: wait on their event)
         cache.engine->complete(L.il, L.policy);
