@@ -28,6 +28,7 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-route.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-trace.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-fingerprint.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-report.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp)
 target_sources(llama PRIVATE ${MOE_SUBST_LLAMA_SOURCES})

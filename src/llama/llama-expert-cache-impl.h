@@ -220,6 +220,7 @@ struct llama_expert_cache_impl {
 
     uint32_t trace_top   = 0;
     uint32_t trace_rsize = 0;
+    uint64_t trace_fingerprint = 0; // of the model (llama-expert-fingerprint.h), in the trace header; 0: none
 
     void trace_open();
 

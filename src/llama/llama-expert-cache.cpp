@@ -2,6 +2,8 @@
 
 #include "llama-expert-cache-impl.h"
 
+#include "llama-expert-fingerprint.h"
+
 #include "llama-expert-profile.h"
 
 #include "llama-adapter.h"
@@ -214,6 +216,9 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
     const llama_expert_model_shape shape = shape_of(model);
     init_shape(shape, prefix);
+    if (!cfg.trace.empty() && !dry_run) {
+        trace_fingerprint = llama_expert_fingerprint_of_model(model); // the trace is opened by init_end
+    }
     if (model.arch == LLM_ARCH_GROVEMOE) {
         throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
             "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
