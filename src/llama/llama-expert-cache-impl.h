@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -197,6 +198,15 @@ struct llama_expert_cache_impl {
 
     void print_stats() const;
     bool write_stats(const std::string & path) const;
+    bool write_profile(const std::string & path) const; // profile_out's format (llama-expert-profile.h)
+
+    // The files written during a run (llama-expert-writer.h): stats= and profile_out= now, from any thread, each
+    // through a temporary file renamed over it; why: the log line's reason. Takes state_mtx.
+    void write_files_now(const char * why);
+    // the policies, counters and banks, against the writer thread: held by the route step and reset()
+    std::mutex state_mtx;
+    bool       writer_added = false; // the writer thread may write this cache's files (until its destructor)
+    uint64_t   profile_written_tokens = 0; // profile_every=: the first MoE layer's tokens at the last write
 
     llama_expert_cache_config cfg;
 
