@@ -29,7 +29,9 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-route.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-trace.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-replay.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-fingerprint.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-report.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-writer.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp)
 target_sources(llama PRIVATE ${MOE_SUBST_LLAMA_SOURCES})
 set_source_files_properties(
@@ -54,6 +56,14 @@ if (TARGET server-context)
     set_source_files_properties(
         ${PROJECT_SOURCE_DIR}/tools/server/server-context.cpp
         TARGET_DIRECTORY server-context
+        PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/include")
+endif()
+
+# llama-server: its first termination signal has the cache's files written (a shutdown under load hangs upstream)
+if (TARGET llama-server-impl)
+    set_source_files_properties(
+        ${PROJECT_SOURCE_DIR}/tools/server/server.cpp
+        TARGET_DIRECTORY llama-server-impl
         PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/include")
 endif()
 

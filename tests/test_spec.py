@@ -68,6 +68,11 @@ CASES = [
     ("mode=emulate,host=file,readers=2", "error: readers= sets how mode=engine reads the model file"),
     ("mode=engine,host=file,policy=speed,tau_file=0.4", "error: tau_file applies to rule=threshold"),
     ("mode=engine,policy=quality,tau_file=0.4", "error: tau_file is the threshold for misses read from the model"),
+    ("policy=quality,profile_out=p.txt,profile_every=256", "ok"),
+    ("policy=quality,profile_out=p.txt,profile_every=0", "ok"),
+    ("policy=quality,profile_every=256",
+     "error: profile_every= writes the profile_out= file during the run: it needs profile_out="),
+    ("policy=quality,profile_out=p.txt,profile_every=-1", "error: bad value '-1' for key 'profile_every'"),
     ("mode=engine,host=file,policy=quality,tau_file=1.5", "error: bad value '1.5' for key 'tau_file'"),
     # the anchors' policies (issue 13): values and ranges
     ("rule=cache-route", "ok"),

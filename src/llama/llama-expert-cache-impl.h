@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -201,6 +202,15 @@ struct llama_expert_cache_impl {
 
     void print_stats() const;
     bool write_stats(const std::string & path) const;
+    bool write_profile(const std::string & path) const; // profile_out's format (llama-expert-profile.h)
+
+    // The files written during a run (llama-expert-writer.h): stats= and profile_out= now, from any thread, each
+    // through a temporary file renamed over it; why: the log line's reason. Takes state_mtx.
+    void write_files_now(const char * why);
+    // the policies, counters and banks, against the writer thread: held by the route step and reset()
+    std::mutex state_mtx;
+    bool       writer_added = false; // the writer thread may write this cache's files (until its destructor)
+    uint64_t   profile_written_tokens = 0; // profile_every=: the first MoE layer's tokens at the last write
 
     llama_expert_cache_config cfg;
 
@@ -215,6 +225,7 @@ struct llama_expert_cache_impl {
     bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
+    int32_t first_moe = -1; // the first MoE layer, whose route step checks the model files once per ubatch (host=file)
 
     // router trace
     FILE *   trace       = nullptr;
@@ -224,6 +235,7 @@ struct llama_expert_cache_impl {
 
     uint32_t trace_top   = 0;
     uint32_t trace_rsize = 0;
+    uint64_t trace_fingerprint = 0; // of the model (llama-expert-fingerprint.h), in the trace header; 0: none
 
     void trace_open();
 

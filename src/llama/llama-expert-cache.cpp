@@ -2,7 +2,10 @@
 
 #include "llama-expert-cache-impl.h"
 
+#include "llama-expert-fingerprint.h"
+
 #include "llama-expert-profile.h"
+#include "llama-expert-writer.h"
 
 #include "llama-adapter.h"
 #include "llama-context.h"
@@ -226,6 +229,9 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
     const llama_expert_model_shape shape = shape_of(model);
     init_shape(shape, prefix);
+    if (!cfg.trace.empty() && !dry_run) {
+        trace_fingerprint = llama_expert_fingerprint_of_model(model); // the trace is opened by init_end
+    }
     if (model.arch == LLM_ARCH_GROVEMOE) {
         throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
             "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
@@ -240,6 +246,7 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router
     for (int32_t il = 0, prev = -1; il < n_layer; ++il) {
         if (layers[il]->moe) {
+            first_moe = first_moe < 0 ? il : first_moe;
             if (prev >= 0 && il < (int32_t) model.layers.size() && model.layers[il].ffn_gate_inp != nullptr) {
                 layers[prev]->next_moe = il;
             }
@@ -269,6 +276,11 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     }
 
     init_end(n_moe);
+    if (!dry_run && (!cfg.stats.empty() || !cfg.profile_out.empty())) {
+        // a process that never reaches its end (a llama-server that hangs on SIGTERM under load) still gets them
+        llama_expert_writer_add(this);
+        writer_added = true;
+    }
 }
 
 llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config & cfg_, const llama_expert_model_shape & shape)
@@ -362,6 +374,9 @@ static void expert_cache_write_failed(const std::string & spec, const char * key
 }
 
 llama_expert_cache_impl::~llama_expert_cache_impl() {
+    if (writer_added) {
+        llama_expert_writer_remove(this); // waits for a write of this cache's files in progress
+    }
     if (dry_run) {
         return;
     }
@@ -375,16 +390,8 @@ llama_expert_cache_impl::~llama_expert_cache_impl() {
         }
     }
     if (!cfg.profile_out.empty()) {
-        std::vector<const llama_expert_layer_policy *> ps;
-        std::vector<int32_t> ids;
-        for (const auto & L : layers) {
-            if (L->moe) {
-                ps.push_back(&L->policy);
-                ids.push_back(L->il);
-            }
-        }
         errno = 0;
-        if (!llama_expert_profile_write(cfg.profile_out, ps, ids)) {
+        if (!write_profile(cfg.profile_out)) {
             expert_cache_write_failed(cfg.spec, "profile_out", cfg.profile_out, errno, "the profile");
         }
     }
@@ -398,7 +405,44 @@ llama_expert_cache_impl::~llama_expert_cache_impl() {
     }
 }
 
+bool llama_expert_cache_impl::write_profile(const std::string & path) const {
+    std::vector<const llama_expert_layer_policy *> ps;
+    std::vector<int32_t> ids;
+    for (const auto & L : layers) {
+        if (L->moe) {
+            ps.push_back(&L->policy);
+            ids.push_back(L->il);
+        }
+    }
+    return llama_expert_profile_write(path, ps, ids);
+}
+
+void llama_expert_cache_impl::write_files_now(const char * why) {
+    std::lock_guard<std::mutex> lock(state_mtx);
+    std::string done;
+    for (const auto & [path, what] : { std::make_pair(&cfg.stats, "statistics"), std::make_pair(&cfg.profile_out, "profile") }) {
+        if (path->empty()) {
+            continue;
+        }
+        const bool ok = llama_expert_write_replacing(*path, [this, path = path](const std::string & p) {
+            return path == &cfg.stats ? write_stats(p) : write_profile(p);
+        });
+        if (ok) {
+            done += (done.empty() ? "" : ", ") + std::string(what) + " to " + *path;
+        } else {
+            LLAMA_LOG_WARN("expert cache: on %s: the %s could not be written to %s (%s)\n", why, what, path->c_str(),
+                strerror(errno));
+        }
+    }
+    if (!done.empty()) {
+        // a warning, so that the default verbosity shows it: the run may not reach its end (its own files' line)
+        LLAMA_LOG_WARN("expert cache: on %s: %s written\n", why, done.c_str());
+    }
+}
+
 void llama_expert_cache_impl::reset() {
+    std::lock_guard<std::mutex> lock(state_mtx);
+    profile_written_tokens = 0;
     if (engine) {
         // no copy in flight or deferred past this point
         for (auto & L : layers) {

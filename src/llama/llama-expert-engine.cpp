@@ -478,6 +478,14 @@ bool llama_expert_engine::failed() const {
     return false;
 }
 
+bool llama_expert_engine::check_files() {
+    bool ok = true;
+    for (auto & [path, f] : files) {
+        ok = llama_expert_file_check(*f) && ok;
+    }
+    return ok;
+}
+
 std::string llama_expert_engine::failure() const {
     for (const auto & [path, f] : files) {
         if (f->failed.load()) {

@@ -126,6 +126,10 @@ struct llama_expert_engine {
     bool        failed() const;
     std::string failure() const;
 
+    // host=file: whether every model file is still the one opened (llama_expert_file_check), once per ubatch; a file
+    // changed in place is marked failed, as a failed read is
+    bool check_files();
+
     // whether any copier runs (background admissions are asynchronous copies)
     bool async() const { return !copiers.empty(); }
 

@@ -369,6 +369,11 @@ static bool parse_path(const std::string & val, std::string & out) {
 static bool spec_key_profile(const std::string & val, llama_expert_cache_config & cfg)     { return parse_path(val, cfg.profile); }
 static bool spec_key_profile_out(const std::string & val, llama_expert_cache_config & cfg) { return parse_path(val, cfg.profile_out); }
 static bool spec_key_stats(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.stats); }
+
+static bool spec_key_profile_every(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, UINT32_MAX, v) && (cfg.profile_every = (uint32_t) v, true);
+}
 static bool spec_key_trace(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.trace); }
 
 static bool spec_key_trace_top(const std::string & val, llama_expert_cache_config & cfg) {
@@ -581,6 +586,10 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             // not an error (scripts switch the mode of a spec on and off), but said when the context is made
             cfg.off_ignored += (cfg.off_ignored.empty() ? "" : ", ") + shown(key);
         }
+    }
+    if (cfg.profile_every > 0 && cfg.profile_out.empty() && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
+        err = "profile_every= writes the profile_out= file during the run: it needs profile_out=";
+        return false;
     }
     if (cfg.ram > 0 && cfg.vram > 0) {
         err = "ram= and vram= are two budgets for the same banks: give one (vram= where the banks are on a GPU)";

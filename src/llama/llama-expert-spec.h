@@ -55,6 +55,7 @@
     X(prefetch,     "on (admit the experts the next MoE layer's router predicts, in the background) or off") \
     X(profile,      "a file path") \
     X(profile_out,  "a file path") \
+    X(profile_every, "a number of tokens, 0 for only at the end") \
     X(stats,        "a file path") \
     X(trace,        "a file path") \
     X(trace_top,    "a count of router probabilities per token and layer")
@@ -170,6 +171,7 @@ struct llama_expert_cache_config {
 
     std::string profile;     // initial residency from a profile file (see profile_out)
     std::string profile_out; // write per-layer expert selection counts at the end
+    uint32_t    profile_every = 0; // and every that many tokens during the run (0: only at the end)
     std::string stats;       // write statistics as JSON at the end
     std::string trace;       // write a binary router trace
     uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
