@@ -4,7 +4,8 @@ of a real text, teacher-forced one token per ubatch (`-ub 1`: the decode path), 
 (/proc/PID/io `read_bytes`: every byte the process and its threads had the block layer read, page faults' readahead
 and O_DIRECT alike). So one process gives one t/s sample and one bytes-read figure per sequence, its model loaded
 once. At exit the process is waited for without being reaped (waitid WNOWAIT), so that its final read_bytes can still
-be read.
+be read. llama.cpp's log worker can lose the last lines at exit (upstream issue 22142): ask for one chunk more than
+is measured.
 """
 
 from __future__ import annotations
