@@ -725,6 +725,9 @@ def full_scale(argv: list[str]) -> int:
                                                                      a.warmup + n + 1),
                                                      env, timeout=a.timeout, preexec=cg.preexec)
                     ts, reads, err = measured(run, n)
+                    if replay and err is None and "routing replayed from the router trace" not in run.stderr:
+                        err = "the engine did not say it replays the trace (LLAMA_MOE_CACHE_TEST_REPLAY ignored?)"
+                        ts, reads = [], []
                     doc = json.loads(stats.read_text()) if sp and stats.exists() else None
                     all_reads = (run.end_read_bytes - run.start_read_bytes
                                  if run.end_read_bytes is not None and run.start_read_bytes is not None else None)
