@@ -429,6 +429,9 @@ def _full_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sequences", type=int, default=3, help="measured sequences per engine run")
     ap.add_argument("--stock-sequences", type=int, default=1, help="measured sequences per stock run (slow)")
     ap.add_argument("--warmup", type=int, default=1, help="sequences decoded before the measured ones, per run")
+    ap.add_argument("--tail-chunks", type=int, default=1,
+                    help="sequences decoded after the measured ones and never measured: llama.cpp's log worker can "
+                    "lose its last lines at exit (upstream issue 22142), the last chunk's result among them")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--policies", default="fetch-all;quality;speed",
@@ -638,9 +641,9 @@ def full_scale(argv: list[str]) -> int:
         configs += [(f"{p} (replay)", "patched", engine_spec(p), None, True) for p in policies]
 
     # sequences: one distinct slice of the text per round, holding that round's chunks
-    # + 1: a tail chunk, never measured: llama.cpp's log worker can lose the last lines at exit (upstream issue
+    # + the tail chunks, never measured: llama.cpp's log worker can lose the last lines at exit (upstream issue
     # 22142; tests/conftest.py), the last chunk's result among them
-    per_run = a.warmup + max(a.sequences, a.stock_sequences) + 1
+    per_run = a.warmup + max(a.sequences, a.stock_sequences) + a.tail_chunks
     slices = text_sequences(a.text.read_text(errors="replace"), a.rounds, per_run * a.ctx * 8, a.seed)
     slice_files = []
     for r, s in enumerate(slices):
@@ -677,7 +680,8 @@ def full_scale(argv: list[str]) -> int:
     compute_points: list[tuple[int, float]] = []
     for d, p in compute_models.items():
         subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
-        run = run_chunked_perplexity(perplexity_args(bins["stock"], p, slice_files[0], a.warmup + a.sequences + 1),
+        run = run_chunked_perplexity(perplexity_args(bins["stock"], p, slice_files[0],
+                                                     a.warmup + a.sequences + a.tail_chunks),
                                      {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"},
                                      timeout=a.timeout)
         ts, _, err = measured(run, a.sequences)
@@ -722,7 +726,7 @@ def full_scale(argv: list[str]) -> int:
                     guard = ra.set_for_run(kb) if (ra is not None and kb is not None) else nullcontext()
                     with guard:
                         run = run_chunked_perplexity(perplexity_args(bins[build], model, slice_files[r],
-                                                                     a.warmup + n + 1),
+                                                                     a.warmup + n + a.tail_chunks),
                                                      env, timeout=a.timeout, preexec=cg.preexec)
                     ts, reads, err = measured(run, n)
                     if replay and err is None and "routing replayed from the router trace" not in run.stderr:

@@ -289,7 +289,8 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
     args = [sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--full-scale", "--layers", "2",
             "--experts", "16", "--top-k", "4", "--embd", "64", "--ff", "64", "--heads", "4", "--kv-heads", "1",
             "--compute-layers", "1,2", "--ram", "400M", "--reserve", "16M", "--slots", "50%", "--ctx", "32",
-            "--sequences", "2", "--rounds", "2", "--threads", "1", "--probe-reads", "50", "--sysfs", str(sysfs),
+            "--sequences", "2", "--tail-chunks", "2", "--rounds", "2", "--threads", "1", "--probe-reads", "50",
+            "--sysfs", str(sysfs),
             "--quality-model", str(qm), "--quality-ctx", "64", "--quality-chunks", "2", "--replay-trace", str(trace),
             "--out", str(out), "--work", str(work)]
     res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
