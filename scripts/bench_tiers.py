@@ -36,6 +36,7 @@ import random
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -453,6 +454,7 @@ def _full_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per run")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "bench-tiers-full")
     ap.add_argument("--work", type=Path, default=ROOT / "results" / "bench-tiers-full")
+    ap.add_argument("--rerender", action="store_true", help="only table.md, from --out's runs.jsonl and summary.json")
     return ap.parse_args(argv)
 
 
@@ -557,23 +559,21 @@ def full_scale(argv: list[str]) -> int:
 
     from harness.domain.tiers import (
         ExpertSlices,
-        better_stock,
         depth_scaled_compute_ms,
         engine_counters,
         expert_read_spans,
         rotated_trace,
         run_record,
-        summarize_runs,
         text_sequences,
     )
     from harness.parsers.trace import read_expert_trace, read_trace_header, write_expert_trace
-    from harness.report.tiers import render_tiers_table
-    from harness.stats.intervals import DeltaPPL
     from harness.tools.chunked import run_chunked_perplexity
     from harness.tools.diskbw import read_bandwidth
     from harness.tools.readahead import ReadAhead
 
     a = _full_args(argv)
+    if a.rerender:
+        return full_scale_rerender(a.out)
     notes: list[str] = []
     bins = {"stock": get_build("stock").bin_dir, "patched": get_build("patched").bin_dir}
     a.work.mkdir(parents=True, exist_ok=True)
@@ -755,15 +755,8 @@ def full_scale(argv: list[str]) -> int:
     quality: dict[str, Any] = {}
     if a.quality_model != "none" and not interrupted:
         quality = _quality(a, policies, fraction, a.work)
-    bws = sorted(float(d["MBps"]) * 1e6 for d in disk_samples)
-    bw = bws[len(bws) // 2] if bws else float("nan")
-    rows = summarize_runs(records, bw, compute_ms, stock_configs) if bws else []
-    best = better_stock(rows, stock_configs)
-    deltas = {p: (DeltaPPL(q["delta_pct"], q["low"], q["high"], 0.0, 0.0, q["n_tokens"] or 0, 0, 0, 0)
-                  if q["delta_pct"] is not None else None) for p, q in quality.get("rows", {}).items()}
-    label = (f"{quality['model']}, emulate, {quality['slots']}/{quality['n_expert']} slots" if quality else "not run")
-    table = render_tiers_table(rows, stock_configs, best, deltas, label)
-    summary = {
+    bws = [float(d["MBps"]) * 1e6 for d in disk_samples]
+    summary: dict[str, Any] = {
         "schema": "moe-subst/bench-tiers-summary", "schema_version": 1, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                               time.gmtime()),
         "argv": sys.argv, "machine": _machine(),
@@ -772,16 +765,46 @@ def full_scale(argv: list[str]) -> int:
         "ram_limit": limit, "reserve": reserve, "slots": slots, "slots_planned": planned, "fraction": fraction,
         "readahead": ({"device": ra.device, "original_kb": ra.original, "low_kb": a.readahead_low,
                        "restored_kb": ra.value()} if ra else None),
-        "disk_samples": disk_samples, "disk_bytes_per_s_median": bw, "readers": a.readers,
-        "compute_ms_per_token": compute_ms, "compute_scaling": scaling, "compute_points": compute_points,
-        "ctx": a.ctx, "sequences": a.sequences, "stock_sequences": a.stock_sequences, "warmup": a.warmup,
-        "rounds": a.rounds, "threads": a.threads, "stock_configs": stock_configs, "headline_stock": best,
-        "quality": quality, "notes": notes, "interrupted": interrupted}
+        "disk_samples": disk_samples, "disk_bytes_per_s_median": statistics.median(bws) if bws else None,
+        "readers": a.readers, "compute_ms_per_token": compute_ms, "compute_scaling": scaling,
+        "compute_points": compute_points, "ctx": a.ctx, "sequences": a.sequences,
+        "stock_sequences": a.stock_sequences, "warmup": a.warmup, "tail_chunks": a.tail_chunks, "rounds": a.rounds,
+        "threads": a.threads, "stock_configs": stock_configs, "quality": quality, "notes": notes,
+        "interrupted": interrupted}
+    table, summary["headline_stock"] = full_scale_table(records, summary)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (a.out / "table.md").write_text(table)
     print("\n" + "\n".join(notes) + "\n\n" + table)
     print(f"bench_tiers: wrote {runs_path}, {a.out / 'summary.json'}, {a.out / 'table.md'}", file=sys.stderr)
     return 130 if interrupted else 0
+
+
+def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[str, str | None]:
+    """The table of a full-scale run from its raw records and summary.json alone (and the headline's stock)."""
+    from harness.domain.tiers import better_stock, check_run_record, summarize_runs
+    from harness.report.tiers import render_tiers_table
+    from harness.stats.intervals import DeltaPPL
+
+    for r in records:
+        check_run_record(r)
+    stock_configs = list(summary["stock_configs"])
+    bw = summary.get("disk_bytes_per_s_median")
+    rows = summarize_runs(records, float(bw), float(summary["compute_ms_per_token"]), stock_configs) if bw else []
+    best = better_stock(rows, stock_configs)
+    quality = summary.get("quality") or {}
+    deltas = {p: (DeltaPPL(q["delta_pct"], q["low"], q["high"], 0.0, 0.0, q["n_tokens"] or 0, 0, 0, 0)
+                  if q["delta_pct"] is not None else None) for p, q in quality.get("rows", {}).items()}
+    label = (f"{quality['model']}, emulate, {quality['slots']}/{quality['n_expert']} slots" if quality else "not run")
+    return render_tiers_table(rows, stock_configs, best, deltas, label), best
+
+
+def full_scale_rerender(out: Path) -> int:
+    """--full-scale --rerender: table.md again from runs.jsonl and summary.json (nothing is run)."""
+    records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines() if line.strip()]
+    table, _ = full_scale_table(records, json.loads((out / "summary.json").read_text()))
+    (out / "table.md").write_text(table)
+    print(table)
+    return 0
 
 
 if __name__ == "__main__":

@@ -314,6 +314,12 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
     assert summary["quality"]["rows"]["fetch-all"]["delta_pct"] == pytest.approx(0.0, abs=1e-9)
     table = (out / "table.md").read_text()
     assert all(f"| {p} |" in table for p in policies)
+    # the table is the records' and the summary's alone
+    (out / "table.md").unlink()
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--full-scale", "--rerender", "--out",
+                    str(out)], capture_output=True, check=True, timeout=60, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (out / "table.md").read_text() == table
     if ra_file is not None:
         assert ra_file.read_text().strip() == "4096"  # restored
         assert {r["readahead_kb"] for r in decode if r["spec"] is None} == {4096, 128}
