@@ -71,6 +71,28 @@ def test_streamed_chunks_write_the_same_bytes(tmp_path: Path, dtype: str, monkey
     assert max(sizes) == 4 * 64 * 7 and sum(sizes) == 4 * int(np.prod(t.shape))
 
 
+def test_the_writer_holds_a_few_chunks_not_a_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory while writing (numpy's allocations, tracemalloc) is a few chunks: a model of 4 MiB float32 expert
+    tensors written in 64 KiB chunks peaks under 1 MiB, against more than a tensor (4 MiB) a tensor at a time."""
+    import tracemalloc
+
+    import harness.tools.synth as synth
+
+    spec = SynthSpec(arch="qwen3moe", n_layer=1, n_expert=64, n_expert_used=4, n_embd=128, n_ff_exp=128,
+                     dtype="q4_0", seed=1)
+    write_synth_model(spec, tmp_path / "warm.gguf")  # the tokenizer is built (and cached) outside the measurement
+    peaks = {}
+    for chunk in (1 << 62, 64 << 10):
+        monkeypatch.setattr(synth, "CHUNK_BYTES", chunk)
+        tracemalloc.start()
+        try:
+            write_synth_model(spec, tmp_path / f"{chunk}.gguf")
+            peaks[chunk] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks[64 << 10] < (1 << 20) and peaks[1 << 62] > 4 * (1 << 20), peaks
+
+
 @pytest.mark.parametrize("dtype", WRITABLE)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:
