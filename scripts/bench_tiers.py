@@ -185,7 +185,10 @@ def cost_model(a: argparse.Namespace, info: ModelInfo, model: Path, compute_ms: 
 
 def main() -> int:
     if "--full-scale" in sys.argv[1:]:
-        return full_scale(sys.argv[1:])
+        try:
+            return full_scale(sys.argv[1:])
+        except HarnessError as e:
+            sys.exit(f"bench_tiers: {e}")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path)
     ap.add_argument("--layers", type=int, default=5)
@@ -587,6 +590,12 @@ def full_scale(argv: list[str]) -> int:
     for d, p in compute_models.items():
         _ensure_model(p, _study_spec(a, d))
     info = read_model_info(model)
+    for d, p in compute_models.items():
+        ci = read_model_info(p)
+        shape = (ci.arch, ci.n_expert, ci.n_expert_used, ci.bytes_per_expert, ci.file_type)
+        if shape != (info.arch, info.n_expert, info.n_expert_used, info.bytes_per_expert, info.file_type):
+            sys.exit(f"bench_tiers: {p.name} (the compute model of {d} layers) has not the layer shape of "
+                     f"{model.name}: give the geometry options of --model, or another --work")
     limit, how = _budget(a)
     notes.append(how)
     reserve = parse_size(a.reserve, allow_percent=False).bytes or 0
@@ -672,7 +681,8 @@ def full_scale(argv: list[str]) -> int:
             err = ("killed (out of memory in the limit?)" if run.returncode in (-9, 137)
                    else f"exit {run.returncode}") + f": {tail}"
         elif len(secs) < a.warmup + n:
-            err = f"{len(secs)} chunks of {a.warmup + n}: the sequence text is too short"
+            err = (f"{len(secs)} chunks of {a.warmup + n}: the sequence text is too short, or the last lines were "
+                   "lost at exit (more --tail-chunks)")
         secs, reads = secs[a.warmup:a.warmup + n], reads[a.warmup:a.warmup + n]
         return [a.ctx / s for s in secs if s > 0], reads, err
 
