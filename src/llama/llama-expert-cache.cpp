@@ -240,7 +240,8 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
     if (cfg.vram > 0 || cfg.ram > 0) {
         n_slots = llama_expert_engine_slots_for_budget(model, shape.moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
-            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0);
+            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0, cfg.host_file ? cfg.readers : 0,
+            cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE);
     }
     const int32_t n_moe = init_policies(shape, prefix);
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router

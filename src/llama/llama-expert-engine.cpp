@@ -1,6 +1,7 @@
 #include "llama-expert-engine.h"
 
 #include "llama-expert-budget.h"
+#include "llama-expert-machine.h"
 
 #include "llama-expert-policy.h"
 #include "llama-impl.h"
@@ -548,7 +549,8 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_expert_engine::memory_breakdo
 //
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
         int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram) {
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram,
+        int32_t readers, bool engine) {
     llama_expert_budget b;
     b.ram      = ram;
     b.budget   = budget;
@@ -557,18 +559,29 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
     b.k        = k;
     std::map<ggml_backend_buffer_type_t, bool> bufts;
     uint64_t expert_bytes = 0; // all routed-expert tensors (ram=: they stay in the file, not in the budget)
+    uint64_t max_slice    = 0; // the largest expert slice of any bank: one read
+    bool     host_banks   = true;
     for (size_t il = 0; il < moe.size(); ++il) {
         if (!moe[il]) {
             continue;
         }
-        bufts[ggml_backend_dev_buffer_type(layer_dev(model, (int) il))] = true;
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
+        bufts[buft] = true;
+        host_banks = host_banks && ggml_backend_buft_is_host(buft);
         for (const ggml_tensor * t : layer_expert_tensors(model.layers[il])) {
             if (t) {
                 b.per_slot += t->nb[expert_dim(t)];
                 b.n_banks++;
                 expert_bytes += ggml_nbytes(t);
+                max_slice = std::max<uint64_t>(max_slice, t->nb[expert_dim(t)]);
             }
         }
+    }
+    if (ram) {
+        // the process's own memory besides weights, context and banks: each reader thread and the calling thread
+        // keep an aligned buffer of one slice and two 4 KiB blocks (llama-expert-io.cpp, O_DIRECT); the runtime
+        b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (max_slice + 2*4096) : 0;
+        b.baseline = LLAMA_EXPERT_RUNTIME_BASELINE;
     }
     for (const auto & [buft, size] : model.memory_breakdown()) {
         if (ram || bufts.count(buft)) {
@@ -588,6 +601,15 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
     const int32_t n_slots = llama_expert_budget_slots(b, err);
     if (n_slots < 0) {
         throw std::runtime_error(prefix + err);
+    }
+    // what the process may really hold (memory cgroup, MemAvailable): a plan above it is one line, not an OOM kill;
+    // vram= is checked where its banks are host memory (CPU builds); a GPU's own memory is not read here. Emulate
+    // mode allocates no banks (its budget may describe another machine): not checked
+    if (engine && (ram || host_banks) && !model.hparams.no_alloc) {
+        const llama_expert_machine m = llama_expert_machine_current();
+        if (!llama_expert_budget_check_usable(b, n_slots, m.usable(), m.describe(), err)) {
+            throw std::runtime_error(prefix + err);
+        }
     }
     // the same arithmetic in exact bytes, for the harness (harness plan: one formula on both sides, tested)
     LLAMA_LOG_INFO("%s: %s\n", __func__, llama_expert_budget_plan_line(b, n_slots).c_str());
