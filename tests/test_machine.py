@@ -6,7 +6,8 @@ cgroup limit and MemAvailable, with the process's own memory counted in the plan
 - a budget above a fake machine (LLAMA_MOE_CACHE_MACHINE_ROOT) is one line saying what would fit;
 - in a small memory cgroup of its own, ram=16G is that one line, not an OOM kill (status 137); the budget the line
   suggests runs to the end in the same cgroup; without the check (the planted bug: no machine facts) the same run
-  is killed. Skipped where no memory cgroup can be made.
+  is killed; `--moe-cache auto` there plans the file tier from the cgroup's limit and runs to the end. Skipped where
+  no memory cgroup can be made.
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ def test_ram_above_the_cgroup_is_one_line_not_a_kill(patched_build: Build, synth
                               timeout=600)
         assert rc == 0 and "Final estimate" in out + err, (out + err)[-3000:]
         assert cg.oom_kills() in (0, None)
+        # --moe-cache auto in the same cgroup: the file tier, ram= from the cgroup's limit less its margin, to the end
+        rc, out, err = cg.run([*args, "-lv", "4"], {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"}, timeout=600)
+        auto = [ln for ln in (out + err).splitlines() if "llama_expert_cache: auto: " in ln]
+        assert rc == 0 and len(auto) == 1 and "runs from the file tier" in auto[0], (out + err)[-3000:]
+        assert cg.path.name in auto[0] and cg.oom_kills() in (0, None)
         # the planted bug: no machine facts (an empty root) and the same run is killed by the kernel, not told
         empty = tmp_path / "empty"
         empty.mkdir()

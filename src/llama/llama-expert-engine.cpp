@@ -616,3 +616,68 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
     LLAMA_LOG_INFO("%s: %s\n", __func__, llama_expert_budget_summary(b, n_slots).c_str());
     return n_slots;
 }
+
+llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) {
+    llama_expert_auto_model m;
+    m.n_expert = (int32_t) model.hparams.n_expert;
+    m.k        = (int32_t) model.hparams.n_expert_used_max();
+    std::map<ggml_backend_buffer_type_t, bool> dev_bufts; // the buffer types of the GPU that holds the MoE layers
+    ggml_backend_dev_t gpu = nullptr;
+    for (size_t il = 0; il < model.layers.size(); ++il) {
+        const llama_layer & L = model.layers[il];
+        if (L.ffn_down_exps == nullptr && L.ffn_gate_up_exps == nullptr) {
+            continue;
+        }
+        ggml_backend_dev_t dev = layer_dev(model, (int) il);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            m.gpu = true;
+            gpu = gpu ? gpu : dev;
+            dev_bufts[ggml_backend_dev_buffer_type(dev)] = true;
+        }
+        for (const ggml_tensor * t : layer_expert_tensors(L)) {
+            if (t == nullptr) {
+                continue;
+            }
+            m.per_slot += t->nb[expert_dim(t)];
+            m.n_banks++;
+            m.experts  += ggml_nbytes(t);
+            m.max_slice = std::max<uint64_t>(m.max_slice, t->nb[expert_dim(t)]);
+            if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
+                m.experts_host = false;
+            }
+            if (t->buffer && strstr(ggml_backend_buffer_name(t->buffer), "REPACK") != nullptr) {
+                m.repacked = true;
+            }
+            std::string path;
+            uint64_t off = 0;
+            if (!model.hparams.no_alloc && t->data && !llama_expert_mapped_file_of(t->data, path, off)) {
+                m.mapped = false; // (a memory-fitting dry run maps nothing: not known there)
+            }
+        }
+    }
+    uint64_t all = 0;
+    for (const auto & [buft, size] : model.memory_breakdown()) {
+        all += size;
+        if (dev_bufts.count(buft)) {
+            m.dev_weights += size;
+        }
+    }
+    m.weights = all > m.experts ? all - m.experts : 0;
+    if (!m.experts_host) {
+        m.dev_weights = m.dev_weights > m.experts ? m.dev_weights - m.experts : 0;
+    }
+    for (const auto & [buft, size] : ctx_mem) {
+        m.context += size;
+        if (dev_bufts.count(buft)) {
+            m.dev_context += size;
+        }
+    }
+    if (gpu) {
+        size_t free = 0;
+        size_t total = 0;
+        ggml_backend_dev_memory(gpu, &free, &total);
+        m.dev_free = free;
+    }
+    return m;
+}

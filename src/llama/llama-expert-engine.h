@@ -20,6 +20,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
+#include "llama-expert-auto.h"
 #include "llama-expert-copier.h"
 #include "llama-expert-io.h"
 #include "llama-expert-policy.h"
@@ -170,3 +171,9 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
         int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram = false,
         int32_t readers = 0, bool engine = false);
+
+// `--moe-cache auto`: the model's facts for llama_expert_auto_decide (llama-expert-auto.h): its sizes (weights, routed
+// experts, one slot, the banks), the context's memory (ctx_mem), where the experts are (host memory or a GPU, with the
+// GPU's free memory), whether they are mapped from the model file and whether the CPU repacked them.
+llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem);
