@@ -922,13 +922,13 @@ def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tm
     non-expert bytes), the context and the reserve, by the same formula as vram= and the harness; a budget below k
     slots names its minimum; ram= without host=file, or with vram=, is refused."""
     from harness.core.errors import HarnessError
-    from harness.domain.plan import budget_terms
+    from harness.domain.plan import ram_budget_terms
     from harness.parsers.cache_plan import parse_cache_plan
     from harness.parsers.gguf_model import read_model_info
 
     model = engine_models["qwen3moe"]
     info = read_model_info(model)
-    ours = budget_terms(info)
+    ours = ram_budget_terms(info, 0, 0)  # the process's own terms too: the reader buffers, the runtime's baseline
     probe = run_ppl(engine_build, model, engine_text, tmp_path / "probe",
                     "mode=engine,host=file,ram=64M,vram_reserve=0", ubatch=1, extra=("-lv", "4"),
                     want="expert cache plan")
@@ -936,6 +936,7 @@ def test_engine_ram_budget(engine_models: dict[str, Path], engine_text: Path, tm
     logged = parse_cache_plan(probe.output)
     assert logged.key == "ram" and logged.budget == 64 << 20, logged
     assert logged.weights == info.non_expert_bytes  # the experts stay in the file
+    assert (logged.readers, logged.baseline) == (ours.readers, ours.baseline) and ours.readers > 0, logged
     terms = dataclasses.replace(ours, weights=info.non_expert_bytes, context=logged.context)
     assert logged.slots == terms.slots(64 << 20) == N_EXPERT
     for ram, want in ((terms.fixed + 20 * terms.per_slot, 20), (terms.fixed + 20 * terms.per_slot - 1, 19)):

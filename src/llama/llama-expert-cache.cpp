@@ -5,6 +5,7 @@
 #include "llama-expert-fingerprint.h"
 
 #include "llama-expert-profile.h"
+#include "llama-expert-machine.h"
 #include "llama-expert-writer.h"
 
 #include "llama-adapter.h"
@@ -96,8 +97,42 @@ std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const
     return expert_cache_create(model, memory, spec);
 }
 
+// `--moe-cache auto`: the spec chosen from the model's and the machine's facts (llama-expert-auto.h), its plan logged in
+// one line with why; the keys the user gave after `auto` override the plan's
+static std::string expert_cache_auto_spec(const llama_model & model, const char * spec, const std::string & rest,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) {
+    // the user's keys that the decision reads (vram_reserve, readers, policy); defaults where not given or not valid
+    // (the composed spec is parsed, and refused in one line, below)
+    llama_expert_cache_config given;
+    std::string err;
+    if (!llama_expert_cache_config_parse(rest, given, err)) {
+        given = llama_expert_cache_config();
+    }
+    const bool policy_given = llama_expert_auto_user_gives(rest, "policy");
+    const llama_expert_auto_model facts = llama_expert_engine_auto_facts(model, ctx_mem);
+    const llama_expert_machine machine = llama_expert_machine_current();
+    const llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
+        given.vram_reserve, given.readers, policy_given ? given.preset : llama_expert_auto_tuned_policy(""), policy_given);
+    if (!plan.err.empty()) {
+        throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + plan.err);
+    }
+    const std::string run = llama_expert_auto_spec(plan, rest);
+    if (!model.hparams.no_alloc) {
+        LLAMA_LOG_INFO("llama_expert_cache: auto: %s: %s\n", plan.off ? "off" : run.c_str(), plan.why.c_str());
+    }
+    return run;
+}
+
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
-        const char * spec) {
+        const char * spec_env) {
+    std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
+    if (memory) {
+        ctx_mem = memory->memory_breakdown();
+    }
+    std::string rest;
+    const std::string spec_auto = llama_expert_auto_requested(spec_env, rest) ?
+        expert_cache_auto_spec(model, spec_env, rest, ctx_mem) : std::string();
+    const char * spec = spec_auto.empty() ? spec_env : spec_auto.c_str();
     llama_expert_cache_config cfg;
     std::string err;
     if (!llama_expert_cache_config_parse(spec, cfg, err)) {
@@ -110,10 +145,6 @@ static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_
                 LLAMA_EXPERT_CACHE_ENV, spec, cfg.off_ignored.c_str());
         }
         return nullptr;
-    }
-    std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
-    if (memory) {
-        ctx_mem = memory->memory_breakdown();
     }
     return std::make_unique<llama_expert_cache_impl>(cfg, model, ctx_mem);
 }
@@ -240,7 +271,8 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
     if (cfg.vram > 0 || cfg.ram > 0) {
         n_slots = llama_expert_engine_slots_for_budget(model, shape.moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
-            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0);
+            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0, cfg.host_file ? cfg.readers : 0,
+            cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE);
     }
     const int32_t n_moe = init_policies(shape, prefix);
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router

@@ -621,7 +621,7 @@ static void test_budget() {
     err.clear();
     CHECK(llama_expert_budget_slots(b, err) == 64 && err.empty()); // 82 fit, at most n_expert
     CHECK(llama_expert_budget_plan_line(b, 64) == "expert cache plan: vram=1073741824 weights=524288000 context=104857600 "
-          "reserve=268435456 per_slot=2097152 banks=6 n_expert=64 k=8 slots=64");
+          "reserve=268435456 readers=0 baseline=0 per_slot=2097152 banks=6 n_expert=64 k=8 slots=64");
     b.n_expert = 128;
     CHECK(llama_expert_budget_slots(b, err) == 82); // (1024 - 858 MiB - 3 KiB) / 2 MiB = 82.99
     b.budget = b.minimum() - 1;
