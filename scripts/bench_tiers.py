@@ -684,6 +684,9 @@ def full_scale(argv: list[str]) -> int:
             err = (f"{len(secs)} chunks of {a.warmup + n}: the sequence text is too short, or the last lines were "
                    "lost at exit (more --tail-chunks)")
         secs, reads = secs[a.warmup:a.warmup + n], reads[a.warmup:a.warmup + n]
+        if err is None and any(s <= 0 for s in secs):
+            # two chunks' results read at once (this reader was descheduled for longer than a chunk): not timed
+            err = "chunk results arrived together (chunks of a few ms on a loaded machine): not timed"
         return [a.ctx / s for s in secs if s > 0], reads, err
 
     # compute with every expert in RAM: the shallower models, file cached, no limit
