@@ -42,6 +42,8 @@ EVICTS = ("lfu", "lru", "classlru")
 PREFETCH = ("off", "on")
 CHAINS = ("substitute", "drop")
 TUNE_PRESETS = ("quality", "speed", "fetch-all")  # the table's comparison
+# the spec keys a profile's policy may hold (docs/expert-cache.md, "Tuned profile"); tune writes the first five
+POLICY_KEYS = ("rule", "tau", "evict", "admit", "prefetch", "tau_file", "halve")
 
 
 @dataclass(frozen=True)
@@ -508,8 +510,11 @@ def parse_tune_profile(text: str, source: str) -> TuneProfile:
             _num(c.fraction, f"choices[{i}].fraction")
             _num(c.delta_pct, f"choices[{i}].delta_pct")
             _num(c.est_tokens_per_s, f"choices[{i}].est_tokens_per_s")
-            if not isinstance(c.policy, str) or not c.policy or "mode=" in c.policy or "slots=" in c.policy:
-                raise HarnessError(f"choices[{i}].policy {c.policy!r} is not a policy's spec keys")
+            keys = [item.partition("=")[0].strip() for item in c.policy.split(",")] if isinstance(c.policy, str) \
+                else []
+            if not keys or not all(k in POLICY_KEYS for k in keys) or len(set(keys)) != len(keys):
+                raise HarnessError(f"choices[{i}].policy {c.policy!r} is not a policy's spec keys (once each, from "
+                                   f"{', '.join(POLICY_KEYS)})")
         bound = d.get("bound")
         txt = d.get("text")
         if not isinstance(bound, dict) or not isinstance(txt, dict):
