@@ -359,7 +359,8 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
 
     # 5. --measure: decode with the engine, the choice and the presets interleaved
     if opts.measure:
-        rows, choices = _measure(opts, model, host, runs, rows, choices, points, presets, bench_threads)
+        rows, choices = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
+                                 bench_threads)
 
     # 6. the profile
     profile_doc = TuneProfile(identity, opts.max_delta_pct, host, facts, asdict(profile), tuple(choices), str(text),
@@ -377,10 +378,11 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
                       tuple(rows), tuple(choices), target, results.path, time.perf_counter() - t0, tuple(notes))
 
 
-def _measure(opts: TuneOptions, model: Path, host: str, runs: _Runs, rows: list[CheckRow],
+def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, rows: list[CheckRow],
              choices: list[TuneChoice], points: Sequence[SimPoint],
              presets: dict[tuple[str, float], SimPoint], threads: int) -> tuple[list[CheckRow], list[TuneChoice]]:
-    """llama-bench tg with the engine, `runs` repetitions interleaved, for the choice and the presets."""
+    """llama-bench tg with the engine, `runs` repetitions interleaved, for the choice and the presets. On a CPU build
+    without repacking: the engine copies experts slot by slot from their plain layout (README)."""
     by_name = {p.candidate.name: p.candidate for p in points}
     configs: list[tuple[str, Candidate]] = []
     for r in rows:
@@ -388,7 +390,7 @@ def _measure(opts: TuneOptions, model: Path, host: str, runs: _Runs, rows: list[
             configs.append((r.name, by_name[r.name]))
         elif r.role in TUNE_PRESETS:
             configs.append((r.name, presets[(r.role, r.fraction)].candidate))
-    extra = ("--repack", "0") if host == "file" else ()
+    extra = ("--repack", "0") if host == "file" or cpu else ()
     specs = [RunSpec(f"bench:{name}:{rep}", "bench", "patched", name, rep,
                      bench=BenchRequest(model, Placement(), n_prompt=0, n_gen=opts.n_gen, repetitions=1,
                                         threads=threads, cache=_engine_cache(c, host), extra_args=extra,
