@@ -397,7 +397,7 @@ def test_run_tune_with_fakes(tmp_path: Path) -> None:
     assert [c.split(",")[:2] for c in checks[:4]] == [["rule=first-choice", "evict=lru"],
                                                       ["rule=threshold", "tau=0.15"], ["rule=threshold", "tau=0.25"],
                                                       ["rule=zero", "tau=0.3"]]
-    assert checks[4:] == ["quality slots=4", "speed slots=4", "fetch-all slots=4"]
+    assert checks[4:] == ["quality slots=4", "speed slots=4"]  # fetch-all never substitutes: not run
     assert len(sim.specs) == len(tune_candidates(TuneGrid(), _info(n_expert=16, k=2))) + 3
     (choice,) = res.choices
     assert choice.policy == "rule=zero,tau=0.3,evict=lru,admit=0.5" and choice.slots == 4
@@ -406,7 +406,7 @@ def test_run_tune_with_fakes(tmp_path: Path) -> None:
     assert choice.est_quality_tokens_per_s is not None
     assert choice.est_tokens_per_s > choice.est_quality_tokens_per_s > choice.est_fetch_all_tokens_per_s
     roles = {r.role: r for r in res.rows}
-    assert roles["fetch-all"].delta is not None and roles["fetch-all"].delta.delta_pct == 0.0
+    assert roles["fetch-all"].delta is None and roles["fetch-all"].exact and roles["fetch-all"].passes
     assert roles["speed"].passes is False and roles["quality"].passes is True
     # the profile: next to the model (its folder is writable), and a copy in --out; it reads back for this model
     assert res.profile_path == tmp_path / "m.gguf.moe-tune.json"
@@ -471,11 +471,18 @@ def test_tune_the_trained_model(patched_build: Build, stock_build: Build, tmp_pa
     res = tune(opts)
     roles = {r.role: r for r in res.rows}
     assert set(roles) >= {"chosen", "quality", "speed", "fetch-all"}
-    # fetch-all at the residency never substitutes: exactly the full model's NLLs (the trace run, fetch-all with every
-    # expert resident), which is what makes the trace run the reference
-    fa = roles["fetch-all"].delta
-    assert fa is not None and fa.delta_pct == 0.0 and fa.low == 0.0 and fa.high == 0.0
-    assert roles["chosen"].passes
+    assert roles["fetch-all"].exact and roles["chosen"].passes
+    # fetch-all at the residency never substitutes: exactly the full model's NLLs (the trace run: fetch-all with every
+    # expert resident), which is why tune takes the trace run as the reference and does not run fetch-all
+    from harness.tools.requests import CacheSpec, Placement
+    from harness.tools.runners import ToolRunner
+
+    runner = ToolRunner()
+    req = opts.perplexity_request(TRAINED, opts.text or Path(), Placement(n_cpu_moe=999),
+                                  cache=CacheSpec("emulate", "fetch-all", 16), nll_dump=tmp_path / "fa.bin", label="fa")
+    runner.perplexity(patched_build, req)
+    full, fa = runner.load_nll(out / "nll" / "full.bin"), runner.load_nll(tmp_path / "fa.bin")
+    assert np.array_equal(full.tokens, fa.tokens) and np.array_equal(full.nll, fa.nll)
     assert res.machine.disk_gbs > 0 and res.machine.compute_ms_per_token is not None
     assert res.cost_profile.h2d_bw_gbs == res.machine.disk_gbs
     info = read_model_info(TRAINED)

@@ -14,7 +14,8 @@ profile that `--moe-cache auto` reads (docs/expert-cache.md, "Tuned profile").
 4. The search (domain.tune): per rung its fastest speed knobs, per chain the most aggressive rung within the bound by
    bisection, then the fastest estimate at or below the boundaries; every rung it leans on is run in emulate mode
    (NLL dump, paired block-bootstrap delta-PPL with a 95% CI, as compare and sweep do). The presets (quality, speed,
-   fetch-all) run too, for the table.
+   fetch-all) are in the table too: quality and speed run in emulate mode; fetch-all, like the fetch-all rung, is the
+   full model's output (it never substitutes) and is not run.
 5. `--measure`: llama-bench with the engine (decode, interleaved repetitions) for the choice and the presets.
 6. The profile: next to the model (`<model>.moe-tune.json`) where its folder is writable, else in the user's cache
    folder; `report.md`, `results.jsonl` (the runs, resumable) and `sim.jsonl` (every replay's counters) in `--out`.
@@ -34,7 +35,7 @@ from typing import Any
 
 from harness.core.errors import HarnessError
 from harness.core.records import ResultsFile, prepare_out_dir, utc_now
-from harness.domain.catalogue import FULL
+from harness.domain.catalogue import BASELINE_POLICY, FULL
 from harness.domain.costmodel import Profile, load_profile
 from harness.domain.plan import RunSpec
 from harness.domain.tune import (
@@ -287,7 +288,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     presets: dict[tuple[str, float], SimPoint] = {}
     sim_log = opts.out / "sim.jsonl"
     sim_log.parent.mkdir(parents=True, exist_ok=True)
-    with sim_log.open("w") as log:
+    with sim_log.open("w", buffering=1) as log:  # line by line: a long search can be watched
         def replay(c: Candidate, spec: str) -> SimPoint:
             run = sim.simulate(trace, spec)
             p = sim_point(c, run, info, profile)
@@ -345,6 +346,9 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
         for preset in TUNE_PRESETS:
             pp = presets[(preset, f)]
             label = f"{preset} slots={slots}"
+            if preset == BASELINE_POLICY:  # never substitutes: the full model's output (tests/test_tune.py checks it)
+                rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, None, True, True))
+                continue
             stats = opts.out / "stats" / f"{safe_name(label)}.json"
             d = runs.delta(label, _emulate_cache(pp.candidate, stats))
             rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, d, False,
