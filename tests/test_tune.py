@@ -116,10 +116,12 @@ def test_bisection_finds_every_boundary_in_few_calls(n: int) -> None:
         assert len(calls) <= 1 + (math.ceil(math.log2(n - 1)) if n > 2 else 0)
 
 
-def _point(rung: Rung, est_ms: float, fraction: float = 0.25, evict: str = "lfu") -> SimPoint:
+def _point(rung: Rung, est_ms: float, fraction: float = 0.25, evict: str = "lfu", lost: float | None = None,
+           prefetch: str = "off") -> SimPoint:
     from harness.domain.tune import Candidate
 
-    return SimPoint(Candidate(rung, "off", evict, "off", fraction, 4), 1.0, 0.0, 0.1 * rung.level, 0.5, est_ms)
+    return SimPoint(Candidate(rung, "off", evict, prefetch, fraction, 4), 1.0, 0.0,
+                    0.1 * rung.level if lost is None else lost, 0.5, est_ms)
 
 
 def test_best_per_rung_and_pick_fastest() -> None:
@@ -130,6 +132,10 @@ def test_best_per_rung_and_pick_fastest() -> None:
            _point(z, 5.0), _point(z, 1.0, fraction=0.5)]
     best = best_per_rung(pts, 0.25)
     assert best[t1].candidate.evict == "lru" and best[z].est_ms == 5.0
+    # within 1% of a rung's fastest estimate, the knobs that lose the least gate weight stand for it
+    near = best_per_rung([_point(z, 5.0, lost=0.3), _point(z, 5.04, lost=0.2, prefetch="on"),
+                          _point(z, 5.1, lost=0.1, evict="lru")], 0.25)
+    assert near[z].candidate.prefetch == "on" and near[z].lost_mass == 0.2
     # boundaries: substitute at t2 (index 2), drop at z (index 1): of t1, t2 and z, z is the fastest (5.0 ms)
     asked: list[str] = []
 

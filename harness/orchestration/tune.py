@@ -267,7 +267,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     first = [runs.ppl_spec(FULL, full_cache)]
     bench_threads, why = (opts.threads, "given") if opts.threads else env.default_threads()
     if not facts.gpus:
-        notes.append(f"decode runs (llama-bench) use {bench_threads} threads ({why})")
+        notes.append(f"decode runs (llama-bench) use {bench_threads} thread{'s' if bench_threads != 1 else ''} ({why})")
         first.append(RunSpec(f"bench:{COMPUTE}", "bench", "patched", COMPUTE, None,
                              bench=BenchRequest(model, Placement(), n_prompt=0, n_gen=COMPUTE_TOKENS, repetitions=1,
                                                 threads=bench_threads, label=COMPUTE)))
