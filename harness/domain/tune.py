@@ -8,10 +8,11 @@ The search space is two kinds of knobs:
   first-choice) and `drop` (fetch-all, colibri's `zero` rule over `zero_taus` ascending: the `drop-light` family).
   Rung 0 of both chains is fetch-all, which never substitutes or drops: exact, the full model's output.
 - **speed knobs**: admission, eviction and prefetch, which change what is resident (hits and misses) and what
-  moves in the background, and barely the loss of a given rung.
+  moves in the background, and so how often a rung's rule substitutes or drops.
 
-The simulator gives every candidate (rung x speed knobs x residency) an estimated decode time; per rung the
-fastest speed knobs stand for it (`best_per_rung`). Along each chain the delta-PPL grows with the rung (the
+The simulator gives every candidate (rung x speed knobs x residency) an estimated decode time and the gate weight it
+loses; per rung, of the speed knobs within 1% of its fastest estimate, those that lose the least stand for it
+(`best_per_rung`). Along each chain the delta-PPL grows with the rung (the
 assumption the search rests on, the study's mass hypothesis within one rule), so the most aggressive rung within
 the bound is found by bisection (`bisect_chain`): a handful of emulate runs instead of one per grid point. The
 choice is then the fastest estimate among the rungs at or below each chain's boundary, checked in emulate itself

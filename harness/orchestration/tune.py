@@ -11,11 +11,11 @@ profile that `--moe-cache auto` reads (docs/expert-cache.md, "Tuned profile").
 3. llama-moe-sim replays the trace for every candidate of the grid (rule and tau, admission, eviction, prefetch, per
    residency); the cost model estimates each one's decode time (harness simulate's arithmetic: counters per decoded
    token, simulate.per_token; prefetches are background loads as admissions are).
-4. The search (domain.tune): per rung its fastest speed knobs, per chain the most aggressive rung within the bound by
-   bisection, then the fastest estimate at or below the boundaries; every rung it leans on is run in emulate mode
-   (NLL dump, paired block-bootstrap delta-PPL with a 95% CI, as compare and sweep do). The presets (quality, speed,
-   fetch-all) are in the table too: quality and speed run in emulate mode; fetch-all, like the fetch-all rung, is the
-   full model's output (it never substitutes) and is not run.
+4. The search (domain.tune): per rung its speed knobs (within 1% of its fastest estimate, the least loss), per chain
+   the most aggressive rung within the bound by bisection, then the fastest estimate at or below the boundaries;
+   every rung it leans on is run in emulate mode (NLL dump, paired block-bootstrap delta-PPL with a 95% CI, as
+   compare and sweep do). The presets (quality, speed, fetch-all) are in the table too: quality and speed run in
+   emulate mode; fetch-all, like the fetch-all rung, is the full model's output (it never substitutes), not run.
 5. `--measure`: llama-bench with the engine (decode, interleaved repetitions) for the choice and the presets.
 6. The profile: next to the model (`<model>.moe-tune.json`) where its folder is writable, else in the user's cache
    folder; `report.md`, `results.jsonl` (the runs, resumable) and `sim.jsonl` (every replay's counters) in `--out`.

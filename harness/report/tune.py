@@ -82,9 +82,10 @@ def render_tune_markdown(res: TuneResult) -> str:
         source = res.cost_sources.get(key, f"the base profile ({o.base_profile})")
         lines.append(f"| {key} | {getattr(p, key):.4g} | {source} |")
     lines += ["", "## The search", "",
-              "Per rung (the miss rule and its threshold) the fastest speed knobs (admission, eviction, prefetch) by "
-              "the simulator; per chain the most aggressive rung within the bound by bisection; then the fastest "
-              "estimate at or below the boundaries. Rows run in emulate mode:", "",
+              "Per rung (the miss rule and its threshold), of the speed knobs (admission, eviction, prefetch) within "
+              "1% of its fastest estimate, those that lose the least gate weight; per chain the most aggressive rung "
+              "within the bound by bisection; then the fastest estimate at or below the boundaries. Rows run in "
+              "emulate mode:", "",
               "| residency | role | configuration | est. t/s | delta-PPL [95% CI] | within bound |",
               "|---|---|---|---:|---|---|"]
     for r in res.rows:
