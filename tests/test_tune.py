@@ -292,7 +292,7 @@ N_TOK = 400
 def _loss(label: str) -> float:
     """Per-token NLL shift: grows with the threshold (0.05 per unit tau), first-choice 0.03, zero 0.02 per unit tau;
     the presets quality 0.008, speed 0.02."""
-    if label.startswith(("full", "fetch-all", "rule=fetch-all")):
+    if label.startswith(("full", "trace", "fetch-all", "rule=fetch-all")):
         return 0.0
     if label.startswith("quality"):
         return 0.008
@@ -319,9 +319,9 @@ class TuneFake:
         if "trace" in extra:
             write_expert_trace(Path(extra["trace"]), synthetic_trace(n_layer=4, n_expert=16, k=2, n_tokens=8, top_m=8))
         nll = np.random.default_rng(0).uniform(1.0, 3.0, N_TOK) + _loss(req.label)
-        assert req.nll_dump is not None
-        self.dumps[req.nll_dump] = NllDump(2 * (N_TOK // 4 + 1), N_TOK // 4 + 1, 4, np.arange(N_TOK, dtype=np.int32),
-                                           nll)
+        if req.nll_dump is not None:
+                self.dumps[req.nll_dump] = NllDump(2 * (N_TOK // 4 + 1), N_TOK // 4 + 1, 4,
+                                               np.arange(N_TOK, dtype=np.int32), nll)
         ppl = float(np.exp(nll.mean()))
         return PerplexityRun(PerplexityResult(ppl, 0.1, 4, 102, 102, 1, (ppl,)), None,
                              RunOutput(("t",), {}, 0, "", "", 0.1), CacheStats(0.0, 0.0, 1.0, "{}", tokens=N_TOK))
@@ -427,8 +427,10 @@ def test_run_tune_with_fakes(tmp_path: Path) -> None:
     again = TuneFake()
     again.dumps = runner.dumps
     opts2 = replace(res.opts, max_delta_pct=0.6)
+    (tmp_path / "out" / "router.trace").unlink()  # not committed with the records: recorded again, not as a run
     res2 = run_tune(opts2, again, TuneSimFake(), replace(_info(n_expert=16, k=2), file_bytes=1234),
                     env=FakeTuneEnv(tmp_path))
+    assert again.calls.pop(0) == "trace" and (tmp_path / "out" / "router.trace").is_file()
     # bisection below the recorded failures: only the rungs not run before (no full run, no preset, no decode run)
     assert [c.split(",")[:2] for c in again.calls] == [["rule=threshold", "tau=0.05"], ["rule=threshold", "tau=0.1"],
                                                        ["rule=zero", "tau=0.1"], ["rule=zero", "tau=0.2"]]

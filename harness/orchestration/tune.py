@@ -272,9 +272,13 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
                              bench=BenchRequest(model, Placement(), n_prompt=0, n_gen=COMPUTE_TOKENS, repetitions=1,
                                                 threads=bench_threads, label=COMPUTE)))
     runs.run(first)
-    if not trace.is_file():
-        raise HarnessError(f"tune: the full model's run wrote no router trace at {trace}: delete {opts.out} and run "
-                           "again")
+    if not trace.is_file():  # a resumed folder without its trace (not committed: tens of MB): record it again
+        progress(0, 1, "router trace (again)")
+        again = replace(first[0].ppl, nll_dump=None, label="trace") if first[0].ppl else None
+        if again is not None:
+            runner.perplexity(runs.builds["patched"], again)
+        if not trace.is_file():
+            raise HarnessError(f"tune: the full model's run wrote no router trace at {trace}")
     check_trace_matches(trace, info)
     if not facts.gpus:
         tg = [t for t in runs.record(COMPUTE, "bench")["tests"] if t["n_gen"] > 0]
