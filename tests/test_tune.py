@@ -161,6 +161,7 @@ def test_the_bound_is_on_the_point_estimate() -> None:
     assert within_bound(d, 1.0) and not within_bound(d, 0.5)
     assert within_bound(replace(d, delta_pct=1.0), 1.0)
     assert not within_bound(None, 1.0) and not within_bound(replace(d, delta_pct=float("nan")), 1.0)
+    assert not within_bound(d, 1.0, strict=True) and within_bound(d, 1.6, strict=True)  # on the CI's upper end
 
 
 # ---- the machine ------------------------------------------------------------------------------------------------
@@ -202,8 +203,9 @@ IDENTITY = ModelIdentity("m", "m.gguf", 1234, "00000000deadbeef", 16, 2, 4)
 def _profile(**kw: Any) -> TuneProfile:
     choice = TuneChoice("25%", 0.25, 4, 16, "rule=zero,tau=0.2,evict=lfu,admit=off", "mode=engine,slots=4,...", 0.2,
                         -0.1, 0.5, 120.0, 80.0, 100.0)
-    p = TuneProfile(IDENTITY, 1.0, "file", FACTS, {"name": "tuned"}, (choice, replace(choice, residency="12.5%",
-                    fraction=0.125, slots=2, policy="rule=threshold,tau=0.1,evict=lru,admit=0.5")),
+    other = replace(choice, residency="12.5%", fraction=0.125, slots=2,
+                    policy="rule=threshold,tau=0.1,evict=lru,admit=0.5")
+    p = TuneProfile(IDENTITY, 1.0, "point estimate", "file", FACTS, {"name": "tuned"}, (choice, other),
                     "/t.txt", 512, 32, "2026-12-02T00:00:00+00:00", {"pin": "x"})
     return replace(p, **kw)
 
@@ -241,6 +243,7 @@ _DEL = object()
     ("choices.0.policy", "mode=engine,rule=zero", "not a policy's spec keys"),
     ("machine", 3, "machine is not an object"),
     ("bound", None, "bound or text"),
+    ("bound.on", "vibes", "bound.on is 'vibes'"),
 ])
 def test_a_damaged_profile_is_one_line(path: str, value: Any, match: str) -> None:
     text = _damage(json.loads(profile_to_json(_profile())), path, value)

@@ -270,7 +270,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     model = args.model or args.model_opt
     name = (model or tune_default_model()).name
     opts = TuneOptions(out=options.out_dir(args, f"tune-{name}"), model=model, grid=grid,
-                       max_delta_pct=options.percent(args.max_delta_ppl, "--max-delta-ppl"), host=args.host,
+                       max_delta_pct=options.percent(args.max_delta_ppl, "--max-delta-ppl"), strict=args.strict,
+                       host=args.host,
                        base_profile=args.base_profile, readers=args.readers, measure=args.measure, runs=args.runs,
                        n_gen=args.n_gen, profile_out=args.profile_out, seed=args.seed, argv=tuple(sys.argv),
                        **options.perplexity_settings(args))
@@ -301,7 +302,9 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        "search, emulate checks), written as the tuned profile that --moe-cache auto reads")
     t.add_argument("model", type=Path, nargs="?", help="a .gguf MoE model (default: the project's trained model)")
     t.add_argument("--model", dest="model_opt", type=Path, help=argparse.SUPPRESS)
-    t.add_argument("--max-delta-ppl", default="1%", help="the bound on delta-PPL, in percent (default: %(default)s)")
+    t.add_argument("--max-delta-ppl", default="1%", help="the bound on delta-PPL, in percent, on its point estimate "
+                   "(default: %(default)s)")
+    t.add_argument("--strict", action="store_true", help="the bound on the 95%% CI's upper end instead")
     options.add_text(t)
     t.add_argument("--residency", default=join(tuple(x * 100 for x in g.fractions)),
                    help="resident percent of each layer's experts, one profile entry each (default: %(default)s)")

@@ -62,7 +62,8 @@ class TuneGrid:
 class TuneOptions(PerplexitySettings):
     out: Path
     model: Path | None = None  # None: the project's trained model
-    max_delta_pct: float = 1.0  # the bound on delta-PPL%, on its point estimate
+    max_delta_pct: float = 1.0  # the bound on delta-PPL%, on its point estimate (strict: on its 95% CI's upper end)
+    strict: bool = False
     grid: TuneGrid = TuneGrid()
     host: str | None = None  # None: file on a machine without a GPU, ram with one
     base_profile: str = "cpu-disk"  # the cost model's constants this machine's measurements do not replace
@@ -246,9 +247,16 @@ def best_per_rung(points: Sequence[SimPoint], fraction: float,
     return best
 
 
-def within_bound(delta: DeltaPPL | None, bound_pct: float) -> bool:
-    """The bound holds on the paired delta-PPL's point estimate (its 95% CI is reported beside it)."""
-    return delta is not None and math.isfinite(delta.delta_pct) and delta.delta_pct <= bound_pct
+BOUND_ON = {False: "point estimate", True: "95% CI upper end"}
+
+
+def within_bound(delta: DeltaPPL | None, bound_pct: float, strict: bool = False) -> bool:
+    """The bound holds on the paired delta-PPL's point estimate (its 95% CI is reported beside it), or with `strict`
+    on the CI's upper end (a choice the data cannot tell from one over the bound is refused)."""
+    if delta is None:
+        return False
+    v = delta.high if strict else delta.delta_pct
+    return math.isfinite(v) and v <= bound_pct
 
 
 def bisect_chain(rungs: Sequence[Rung], passes: Callable[[Rung], bool]) -> int:
@@ -420,6 +428,7 @@ class ModelIdentity:
 class TuneProfile:
     model: ModelIdentity
     bound_pct: float
+    bound_on: str  # BOUND_ON's values
     host: str
     machine: MachineFacts
     cost_profile: dict[str, Any]  # the cost model's constants the estimates used (Profile's fields)
@@ -469,7 +478,7 @@ def tune_cache_dir(environ: Mapping[str, str], home: Path) -> Path:
 def profile_to_json(p: TuneProfile) -> str:
     d: dict[str, Any] = {"schema": TUNE_SCHEMA, "schema_version": TUNE_SCHEMA_VERSION, "created": p.created,
                          "model": asdict(p.model), "bound": {"max_delta_ppl_pct": p.bound_pct,
-                                                              "on": "point estimate"},
+                                                              "on": p.bound_on},
                          "host": p.host, "choices": [asdict(c) for c in p.choices],
                          "machine": {**asdict(p.machine), "gpus": list(p.machine.gpus)},
                          "cost_profile": p.cost_profile,
@@ -529,8 +538,10 @@ def parse_tune_profile(text: str, source: str) -> TuneProfile:
         txt = d.get("text")
         if not isinstance(bound, dict) or not isinstance(txt, dict):
             raise HarnessError("bound or text is not an object")
+        if bound.get("on") not in BOUND_ON.values():
+            raise HarnessError(f"bound.on is {bound.get('on')!r}, not one of {', '.join(BOUND_ON.values())}")
         return TuneProfile(model, float(_num(bound.get("max_delta_ppl_pct"), "bound.max_delta_ppl_pct")),
-                           str(d.get("host")), machine, dict(d.get("cost_profile") or {}), choices,
+                           str(bound["on"]), str(d.get("host")), machine, dict(d.get("cost_profile") or {}), choices,
                            str(txt.get("path")), int(txt.get("n_ctx") or 0), txt.get("chunks"),
                            str(d.get("created")), dict(d.get("provenance") or {}))
     except HarnessError as e:

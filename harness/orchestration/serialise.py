@@ -32,8 +32,8 @@ FRONTIER_GRID_KEYS = ("families", "fractions", "taus", "admits", "evicts", "j", 
 TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", "window", "n_ctx", "chunks",
                      "threads", "n_boot", "seed", "argv")
 BPB_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
-TUNE_OPTION_KEYS = ("out", "model", "text", "max_delta_pct", "grid", "host", "base_profile", "readers", "measure",
-                    "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
+TUNE_OPTION_KEYS = ("out", "model", "text", "max_delta_pct", "strict", "grid", "host", "base_profile", "readers",
+                    "measure", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
 
 
 def _json_value(v: Any) -> Any:

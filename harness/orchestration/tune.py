@@ -39,6 +39,7 @@ from harness.domain.catalogue import BASELINE_POLICY, FULL
 from harness.domain.costmodel import Profile, load_profile
 from harness.domain.plan import RunSpec
 from harness.domain.tune import (
+    BOUND_ON,
     CHAINS,
     HOSTS,
     TUNE_PRESETS,
@@ -331,7 +332,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
                     stats = opts.out / "stats" / f"{safe_name(p.candidate.name)}.json"
                     d = runs.delta(p.candidate.name, _emulate_cache(p.candidate, stats))
                     checked[rung] = CheckRow("checked", p.candidate.name, p.candidate.policy, f, p.candidate.slots,
-                                             p.est_ms, d, False, within_bound(d, opts.max_delta_pct),
+                                             p.est_ms, d, False, within_bound(d, opts.max_delta_pct, opts.strict),
                                              note="" if d is not None else "no paired delta: NLL dumps differ")
             return checked[rung].passes
 
@@ -356,7 +357,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
             stats = opts.out / "stats" / f"{safe_name(label)}.json"
             d = runs.delta(label, _emulate_cache(pp.candidate, stats))
             rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, d, False,
-                                 within_bound(d, opts.max_delta_pct)))
+                                 within_bound(d, opts.max_delta_pct, opts.strict)))
         d = chosen_row.delta
         choices.append(TuneChoice(
             residency=residency_label(f), fraction=f, slots=slots, n_expert=info.n_expert,
@@ -371,8 +372,8 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
                                  bench_threads)
 
     # 6. the profile
-    profile_doc = TuneProfile(identity, opts.max_delta_pct, host, facts, asdict(profile), tuple(choices), str(text),
-                              opts.n_ctx, opts.chunks, utc_now(),
+    profile_doc = TuneProfile(identity, opts.max_delta_pct, BOUND_ON[opts.strict], host, facts, asdict(profile),
+                              tuple(choices), str(text), opts.n_ctx, opts.chunks, utc_now(),
                               {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series})
     target = profile_target(opts, model, env)
     doc = profile_to_json(profile_doc)

@@ -30,7 +30,7 @@ def summary_lines(res: TuneResult) -> list[str]:
              f"Tier the misses come from: `host={res.host}`. Estimated t/s: the simulator's counters on the cost "
              "model with this machine's measured rates (an ESTIMATE, not a measurement). delta-PPL: emulate mode, "
              "paired against the full model on the same tokens, 95% block-bootstrap CI over chunks; the bound holds "
-             "on the point estimate."
+             f"on the {'95% CI upper end (--strict)' if o.strict else 'point estimate'}."
              + (" Measured t/s: llama-bench decode with the engine, mean ± 95% CI half-width over the runs."
                 if o.measure else " Measured t/s: not run (`--measure`)."), ""]
     for ch in res.choices:
