@@ -35,12 +35,12 @@ from harness.domain.tune import (
     check_profile_model,
     machine_profile,
     parse_tune_profile,
-    pick_choice_for,
     pick_fastest,
     profile_locations,
     profile_to_json,
     tune_cache_dir,
     tune_candidates,
+    tuned_policy,
     within_bound,
 )
 from harness.orchestration.tune import TuneEnvironment, read_profile_for, run_tune
@@ -268,11 +268,13 @@ def test_profile_locations_and_the_choice_auto_takes(tmp_path: Path) -> None:
     assert tune_cache_dir({}, home) == Path("/home/u/.cache/moe-subst")
     assert tune_cache_dir({"XDG_CACHE_HOME": "/x"}, home) == Path("/x/moe-subst")
     assert tune_cache_dir({"XDG_CACHE_HOME": "/x", "MOE_SUBST_CACHE": "/m"}, home) == Path("/m")
-    choices = _profile().choices
-    assert pick_choice_for(choices, 0.3) is choices[0]  # 25% <= 30%: the highest at or below
-    assert pick_choice_for(choices, 0.2) is choices[1]
-    assert pick_choice_for(choices, 0.25) is choices[0]
-    assert pick_choice_for(choices, 0.1) is None  # tuned only at higher residencies: quality
+    # what auto does with it: the entry with the most slots at or below those planned; none, or no profile: quality
+    assert tuned_policy(None, 4) == ("", "policy quality (no tuned profile)")
+    pol, why = tuned_policy(_profile(), 3, "p.json")
+    assert pol == "rule=threshold,tau=0.1,evict=lru,admit=0.5" and "at 12.5%" in why and "point estimate" in why
+    assert tuned_policy(_profile(), 4)[0] == "rule=zero,tau=0.2,evict=lfu,admit=off"
+    pol, why = tuned_policy(_profile(), 1, "p.json")
+    assert pol == "" and "more than the 1 slots planned" in why
     # read_profile_for: beside the model first, then the cache folder; another model's is refused
     model = tmp_path / "m.gguf"
     assert read_profile_for(model, IDENTITY, tmp_path / "cache") is None

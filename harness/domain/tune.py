@@ -291,12 +291,20 @@ def pick_fastest(best: Mapping[Rung, SimPoint], boundaries: Mapping[str, int], g
     raise HarnessError("tune: no candidate left, not even fetch-all (was it simulated?)")
 
 
-def pick_choice_for(choices: Sequence[TuneChoice], fraction: float) -> TuneChoice | None:
-    """The rule `--moe-cache auto` follows with a profile: of the choices tuned at a residency at or below the one it
-    planned, the highest (more resident experts mean fewer misses, so a policy within the bound at a lower residency
-    stays within it); None when every choice was tuned at a higher residency than planned."""
-    ok = [c for c in choices if c.fraction <= fraction + 1e-12]
-    return max(ok, key=lambda c: c.fraction) if ok else None
+def tuned_policy(profile: TuneProfile | None, planned_slots: int, source: str = "") -> tuple[str, str]:
+    """What `--moe-cache auto` does with a (read and model-checked) profile when it planned `planned_slots` per layer
+    (docs/expert-cache.md, "Tuned profile", steps 4 and 6): (the policy's spec keys, or "" for quality; the reason for
+    its one log line). The reference the C++ reader follows."""
+    if profile is None:
+        return "", "policy quality (no tuned profile)"
+    ok = [c for c in profile.choices if c.slots <= planned_slots]
+    if not ok:
+        tuned = ", ".join(f"{c.residency} ({c.slots} slots)" for c in profile.choices)
+        return "", (f"policy quality (the tuned profile {source} was tuned at {tuned}, more than the {planned_slots} "
+                    "slots planned)")
+    c = max(ok, key=lambda c: c.slots)
+    return c.policy, (f"policy {c.policy} (tuned {profile.created}: delta-PPL {c.delta_pct:+.2f}% [{c.ci_low:+.2f}, "
+                      f"{c.ci_high:+.2f}] <= {profile.bound_pct:g}% on the {profile.bound_on} at {c.residency})")
 
 
 # ---- the machine ---------------------------------------------------------------------------------------------
