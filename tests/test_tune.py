@@ -508,3 +508,24 @@ def test_tune_the_trained_model(patched_build: Build, stock_build: Build, tmp_pa
     with pytest.raises(HarnessError, match="another model"):
         check_profile_model(prof, replace(mine, fingerprint="0" * 16), "p")
     assert (out / "report.md").is_file() and (out / "router.trace").is_file()
+
+
+def test_disk_rate_reads_experts_as_the_engine_does() -> None:
+    """harness.tools.machine on the trained model: one expert is its slice of each of its layer's expert tensors (the
+    cost model's bytes per expert), read in slices of one tensor's expert; the rate is positive and finite."""
+    from harness.parsers.gguf_model import read_model_info
+    from harness.tools.machine import disk_rate, expert_slices
+
+    if not TRAINED.is_file():
+        pytest.skip("no trained model")
+    info = read_model_info(TRAINED)
+    n_expert, slices = expert_slices(TRAINED)
+    assert n_expert == info.n_expert and sorted(slices) == list(info.moe_layers)
+    size = TRAINED.stat().st_size
+    assert all(off + n_expert * n <= size for s in slices.values() for off, n in s)
+    r = disk_rate(TRAINED, readers=2, max_bytes=4 << 20)
+    assert r.expert_bytes == info.bytes_per_expert and r.readers == 2
+    assert r.read_bytes == max(info.bytes_per_expert_tensor.values())
+    assert 0 < r.gbs < 1e3 and r.expert_s > 0
+    with pytest.raises(HarnessError, match="at least 1"):
+        disk_rate(TRAINED, readers=0)
