@@ -454,9 +454,11 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
     return True
 
 
-def load_trained(out: Path):
+def load_trained(out: Path, checkpoint: Path | None = None):
+    """The finished model (<work>/<name>.pt), or with ``checkpoint`` the weights of a run in progress (its
+    ckpt.pt: an interim model, to measure where a long run stands without stopping it)."""
     import torch
-    ck = torch.load(out.with_suffix(".pt"), weights_only=False)
+    ck = torch.load(checkpoint if checkpoint is not None else out.with_suffix(".pt"), weights_only=False)
     cfg = Config(**ck["config"])
     model = build_model(cfg)
     model.load_state_dict(ck["state_dict"])
@@ -488,8 +490,10 @@ def gguf_tensors(cfg: Config, model):
         yield b + "ffn_down_exps.weight", sd[p + "moe.w_down"], False
 
 
-def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bool = False) -> None:
-    """Write the GGUF: matrices in F16 (or everything in F32 with f32=True, for the exact check)."""
+def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bool = False,
+           step: int | None = None) -> None:
+    """Write the GGUF: matrices in F16 (or everything in F32 with f32=True, for the exact check). ``step``: an
+    interim model from a checkpoint, said so in its description."""
     import gguf
 
     tok = load_tokenizer(work)
@@ -505,7 +509,8 @@ def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bo
 
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_name(cfg.name)
-    w.add_description(f"moe-subst {cfg.name}, trained on {tokens_seen} tokens of offline Debian text")
+    interim = "" if step is None else f" (interim: checkpoint at step {step} of {cfg.steps})"
+    w.add_description(f"moe-subst {cfg.name}, trained on {tokens_seen} tokens of offline Debian text{interim}")
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
     w.add_context_length(cfg.n_ctx)
     w.add_embedding_length(cfg.d_model)
@@ -536,6 +541,24 @@ def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bo
     w.write_tensors_to_file()
     w.close()
     print(f"exported {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+def quantize(src: Path, qtype: str) -> Path:
+    """<src> (an F16 GGUF, ``-f16`` in its name) quantized to ``qtype`` with the stock build's llama-quantize, next
+    to it as <name>-<qtype>.gguf."""
+    import subprocess
+    tool = ROOT / "vendor/llama.cpp/build-cpu/bin/llama-quantize"
+    if not tool.exists():
+        raise SystemExit(f"train_moe.py: error: --quantize needs the stock build ({tool}): run ./build.sh")
+    dst = src.with_name(src.name.replace("-f16", f"-{qtype.lower()}"))
+    if dst == src:
+        raise SystemExit(f"train_moe.py: error: --quantize: {src.name} has no '-f16' in its name to replace")
+    res = subprocess.run([str(tool), str(src), str(dst), qtype.upper()], capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:]
+        raise SystemExit(f"train_moe.py: error: llama-quantize {qtype} failed: {' '.join(tail)}")
+    print(f"quantized {dst} ({dst.stat().st_size / 1e6:.1f} MB, {qtype.upper()})")
+    return dst
 
 
 def f16_rounded(cfg: Config, model):
@@ -670,6 +693,11 @@ def main() -> int:
     ap.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
     ap.add_argument("--resume", action="store_true", help="go on from <work>/ckpt.pt")
     ap.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints")
+    ap.add_argument("--from-checkpoint", action="store_true",
+                    help="export/eval the newest checkpoint (<work>/ckpt.pt) of a run in progress: an interim model")
+    ap.add_argument("--quantize", default=None, metavar="TYPE",
+                    help="after the export, also write <out> quantized to TYPE (e.g. q8_0) with the stock build's "
+                         "llama-quantize (the pin's own converter path)")
     args = ap.parse_args()
     work = Path(args.work) if args.work else default_work(args.shape)
     out = Path(args.out) if args.out else ROOT / "models" / f"{args.shape}-f16.gguf"
@@ -694,15 +722,21 @@ def main() -> int:
         (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
         if not done:
             return 0
+    interim = work / "ckpt.pt" if args.from_checkpoint else None
+    if interim is not None and not interim.exists():
+        ap.error(f"--from-checkpoint: no checkpoint at {interim}")
     if args.stage in ("export", "all"):
-        cfg, model, ck = load_trained(ckpt)
+        cfg, model, ck = load_trained(ckpt, interim)
         out.parent.mkdir(parents=True, exist_ok=True)
-        export(cfg, model, work, out, ck["tokens_seen"])
+        export(cfg, model, work, out, ck["tokens_seen"], step=ck.get("step") if interim else None)
         # an all-F32 copy (not committed) for the exact export check of scripts/check_export.py
-        export(cfg, model, work, work / out.name.replace("-f16", "-f32"), ck["tokens_seen"], f32=True)
+        export(cfg, model, work, work / out.name.replace("-f16", "-f32"), ck["tokens_seen"], f32=True,
+               step=ck.get("step") if interim else None)
+        if args.quantize:
+            quantize(out, args.quantize)
     if args.stage in ("eval", "all"):
-        cfg, model, ck = load_trained(ckpt)
-        evaluate(cfg, model, work, ckpt, ck)
+        cfg, model, ck = load_trained(ckpt, interim)
+        evaluate(cfg, model, work, out if interim else ckpt, ck)
     return 0
 
 

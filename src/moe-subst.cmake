@@ -7,15 +7,18 @@
 
 set(MOE_SUBST_SRC "${CMAKE_CURRENT_LIST_DIR}")
 
-# The model-free rooms: the spec and its keys, the miss rules, the residency policy and profiles. They need neither
-# ggml nor a model: the C++ unit tests, the sanitizer tests and llama-moe-sim compile this list (tests/conftest.py
-# reads it from here, the one place it is written).
+# The model-free rooms: the spec and its keys, the miss rules, the residency policy and profiles, the budget, the
+# machine's memory facts and --moe-cache auto's decision. They need neither ggml nor a model: the C++ unit tests, the
+# sanitizer tests and llama-moe-sim compile this list (tests/conftest.py reads it from here, the one place it is
+# written).
 set(MOE_SUBST_POLICY_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-spec.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-rules.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-policy.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-profile.cpp
-    ${MOE_SUBST_SRC}/llama/llama-expert-budget.cpp)
+    ${MOE_SUBST_SRC}/llama/llama-expert-budget.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-machine.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-auto.cpp)
 
 # libllama: the model-free rooms, the engine's rooms (model-file reads, copiers, banks), the cache's rooms
 # (construction and hooks, the route step, the trace, the statistics) and the C API for applications
@@ -28,7 +31,10 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-route.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-trace.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-replay.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-fingerprint.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-report.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-writer.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp)
 target_sources(llama PRIVATE ${MOE_SUBST_LLAMA_SOURCES})
 set_source_files_properties(
@@ -53,6 +59,14 @@ if (TARGET server-context)
     set_source_files_properties(
         ${PROJECT_SOURCE_DIR}/tools/server/server-context.cpp
         TARGET_DIRECTORY server-context
+        PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/include")
+endif()
+
+# llama-server: its first termination signal has the cache's files written (a shutdown under load hangs upstream)
+if (TARGET llama-server-impl)
+    set_source_files_properties(
+        ${PROJECT_SOURCE_DIR}/tools/server/server.cpp
+        TARGET_DIRECTORY llama-server-impl
         PROPERTIES INCLUDE_DIRECTORIES "${MOE_SUBST_SRC}/include")
 endif()
 

@@ -6,8 +6,8 @@
 - `synth_text_file`: about 6 KB of deterministic English-looking text for llama-perplexity.
 - `stock_build` / `patched_build`: harness.core.project.Build objects; the test is skipped (with the reason)
   when build/builds.json or the binaries are missing.
-- `policy_sources`: the model-free C++ sources (spec, rules, policy, profile, budget) that the C++ unit tests compile
-  alone, read from MOE_SUBST_POLICY_SOURCES in src/moe-subst.cmake (the one place the list is written).
+- `policy_sources`: the model-free C++ sources (spec, rules, policy, profile, budget, machine, auto) that the C++ unit
+  tests compile alone, read from MOE_SUBST_POLICY_SOURCES in src/moe-subst.cmake (the one place the list is written).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 from harness.cli import build_parser, main
 
 COMMANDS = ("doctor", "info", "synth", "compare", "sweep", "frontier", "check", "report", "topics", "study", "simulate",
-            "calibrate", "composition", "generate")
+            "calibrate", "composition", "generate", "bpb")
 
 
 def test_every_command_is_registered() -> None:

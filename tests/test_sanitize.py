@@ -1,7 +1,8 @@
 """The bounded sanitizer run in CI (issue 15): our policy module, which takes every decision of the cache and parses
 every spec, compiled with AddressSanitizer and UndefinedBehaviorSanitizer, runs its unit tests
-(tests/cpp/test_expert_policy.cpp) and a fuzz loop of random and mutated specs (tests/cpp/spec_parse.cpp) without
-a report. The full run (the whole patched tree sanitized, the engine tests against it) is scripts/sanitize.sh.
+(tests/cpp/test_expert_policy.cpp; test_expert_machine.cpp and test_expert_auto.cpp for the machine's facts and
+--moe-cache auto) and a fuzz loop of random and mutated specs (tests/cpp/spec_parse.cpp) without a report. The full
+run (the whole patched tree sanitized, the engine tests against it) is scripts/sanitize.sh.
 
 A planted out-of-bounds read first proves that the sanitizers report here at all: otherwise a clean run would
 mean nothing."""
@@ -79,6 +80,15 @@ def test_policy_unit_tests_under_asan_and_ubsan(tmp_path: Path, policy_obj: list
     res = _run(exe)
     assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
     assert "all expert policy tests passed" in res.stdout
+
+
+@pytest.mark.parametrize("room", ["machine", "auto"])
+def test_machine_and_auto_unit_tests_under_asan_and_ubsan(tmp_path: Path, policy_obj: list[Path], room: str) -> None:
+    """The parsers of /proc and /sys text (llama-expert-machine) and --moe-cache auto's decision, on fake facts."""
+    exe = _build(tmp_path, f"test_expert_{room}", ROOT / "tests" / "cpp" / f"test_expert_{room}.cpp", *policy_obj)
+    res = _run(exe)
+    assert res.returncode == 0 and not _reports(res), (res.stdout + res.stderr)[-4000:]
+    assert f"all expert {room} tests passed" in res.stdout
 
 
 def test_spec_fuzz_under_asan_and_ubsan(tmp_path: Path, policy_obj: list[Path]) -> None:

@@ -187,8 +187,8 @@ def test_default_residencies_too_small_for_k_are_skipped(hand_trace: Path, monke
     assert [(r.policy, r.residency) for r in result.rows] == [
         ("quality", "25%"), ("fetch-all", "25%"), ("quality", "50%"), ("fetch-all", "50%")]
     assert result.notes == (
-        f"the trace {hand_trace} carries no fingerprint of the model it was recorded on (this build's engine writes "
-        "none yet): that it was recorded on hand.gguf is not checked",
+        f"the trace {hand_trace} carries no fingerprint of the model it was recorded on (an older trace): that it was "
+        "recorded on hand.gguf is not checked",
         "residency 10% skipped: 1 slots per layer, fewer than the 2 experts used per token")
 
     runner = FakeSimRunner({})
@@ -249,7 +249,7 @@ def test_a_trace_of_another_model_is_refused(tmp_path: Path, capsys: pytest.Capt
     assert main(["simulate", "--trace", str(trace), "--model", str(b)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("harness: error: the trace ") and "another model" in err and "\n" not in err
-    old = write_expert_trace(tmp_path / "old.bin", t)  # no fingerprint (0): as the engine of this pin writes
+    old = write_expert_trace(tmp_path / "old.bin", t)  # no fingerprint (0): as the engine wrote before it did
     (note,) = check_trace_model(old, b)
     assert "carries no fingerprint of the model it was recorded on" in note
 
@@ -417,6 +417,12 @@ SPECS = [
     "rule=band,hi=0.08,admit=0.5,slots=20",
     # band at ranks >= 1 only (min_rank, added through the rule and key tables): a first choice is never substituted
     "rule=band,lo=0.1,min_rank=1,evict=lfu,slots=25%",
+    # band up to a rank (max_rank, issue 22): every first-choice miss, the light first choices only (hi=0.3: with
+    # k = 8 a first choice weighs at least 1/8, and below 0.15 none misses on this model) and heavy non-first
+    # choices at ranks 1 to 2
+    "rule=band,lo=0,hi=1,max_rank=0,evict=lfu,slots=25%",
+    "rule=band,lo=0,hi=0.3,max_rank=0,slots=20",
+    "rule=band,lo=0.15,hi=1,min_rank=1,max_rank=2,slots=25%",
     # prefetch (issue 13 item 2): the trace carries each token-layer's prediction (layer 1 of 3 is predicted)
     "policy=quality,prefetch=on,slots=25%",
     "policy=fetch-all,evict=lfu,prefetch=on,slots=12",
@@ -451,6 +457,11 @@ def test_simulator_equals_engine(patched_build: Build, sim_tool: Path, sim_model
         assert t["prefetches"] > 0 and engine["layers"][1]["prefetches"] > 0
     if "min_rank=1" in spec:
         assert engine["config"]["band_min_rank"] == 1 and t["subst_first_choice"] == 0
+    if "rule=band" in spec:  # no max_rank: the last rank, k - 1
+        given = dict(kv.split("=") for kv in spec.split(",")).get("max_rank")
+        assert engine["config"]["band_max_rank"] == (int(given) if given else engine["config"]["n_expert_used"] - 1)
+    if "max_rank=0" in spec:  # only first choices substituted
+        assert t["subst_first_choice"] == t["substitutions"] > 0
 
 
 @pytest.mark.build
@@ -475,6 +486,55 @@ def test_simulator_equals_engine_other_archs(patched_build: Build, sim_tool: Pat
     res = sim_run(sim_tool, trace, spec, tmp_path / "sim.json", "--verify")
     assert res.returncode == 0, res.stderr
     assert comparable(json.loads((tmp_path / "sim.json").read_text())) == comparable(engine)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("arch", ["qwen3moe", "hy_v3", "glm4moe"])
+def test_the_engine_writes_the_model_fingerprint(patched_build: Build, sim_tool: Path, sim_text: Path,
+                                                 tmp_path: Path, arch: str) -> None:
+    """Before: the engine wrote 0 at the header's offset 40, so no trace it recorded could be checked. Now its writer
+    (llama-expert-fingerprint.cpp) computes the fingerprint docs/expert-cache.md defines, the harness's own
+    (f16 experts; hy_v3: a merged gate_up; glm4moe: a leading dense layer and a NextN layer, left out), and
+    llama-moe-sim --model replays a trace of that model without a word, refuses one of another model of the same
+    shape in one line (exit 1), and warns, once, about a trace without a fingerprint."""
+    from harness.orchestration.simulate import check_trace_model
+    from harness.parsers.gguf_model import model_fingerprint
+    from harness.parsers.trace import TRACE_FINGERPRINT_OFFSET, read_trace_header
+
+    spec = SynthSpec(arch=arch, dtype="f16", seed=4)
+    model = write_synth_model(spec, tmp_path / "m.gguf")
+    other = write_synth_model(dataclasses.replace(spec, seed=5), tmp_path / "other.gguf")  # the same shape
+    _, trace, _ = engine_run(patched_build, model, sim_text, "policy=fetch-all,slots=50%", tmp_path / "run",
+                             trace_top=None, profile_out=False)
+    fp = model_fingerprint(model)
+    assert read_trace_header(trace).fingerprint == fp != model_fingerprint(other)
+    assert check_trace_model(trace, model) == ()
+    res = sim_run(sim_tool, trace, "policy=quality,slots=50%", tmp_path / "s.json", "--model", str(model))
+    assert res.returncode == 0 and "fingerprint" not in res.stderr, res.stderr
+    info = subprocess.run([str(sim_tool), "-t", str(trace), "--info"], capture_output=True, text=True, timeout=60)
+    assert f"model fingerprint {fp:016x}" in info.stdout, info.stdout
+    if arch != "qwen3moe":
+        return
+    res = sim_run(sim_tool, trace, "policy=quality,slots=50%", tmp_path / "e.json", "--model", str(other))
+    assert res.returncode == 1 and not (tmp_path / "e.json").exists(), res.stderr
+    assert res.stderr.strip() == (
+        f"llama-moe-sim: error: the trace '{trace}' was recorded on another model than '{other}' (model fingerprint "
+        f"{fp:016x} in the trace, {model_fingerprint(other):016x} of this model): pass the model the trace was "
+        "recorded with")
+    with pytest.raises(HarnessError, match="was recorded on another model"):
+        check_trace_model(trace, other)
+    old = tmp_path / "old.bin"  # as the engine wrote before: no fingerprint
+    data = bytearray(trace.read_bytes())
+    data[TRACE_FINGERPRINT_OFFSET:TRACE_FINGERPRINT_OFFSET + 8] = bytes(8)
+    old.write_bytes(bytes(data))
+    res = sim_run(sim_tool, old, "policy=quality,slots=50%", tmp_path / "o.json", "--model", str(other), "-q")
+    warnings = [ln for ln in res.stderr.splitlines() if "warning" in ln]
+    assert res.returncode == 0 and (tmp_path / "o.json").exists(), res.stderr
+    assert warnings == [f"llama-moe-sim: warning: the trace '{old}' carries no fingerprint of the model it was "
+                        f"recorded on (an older trace): that it was recorded on '{other}' is not checked"], res.stderr
+    res = sim_run(sim_tool, trace, "policy=quality", tmp_path / "n.json", "--model", str(sim_text))
+    assert res.returncode == 1 and res.stderr.startswith("llama-moe-sim: error: --model: cannot read the model"), \
+        res.stderr
 
 
 @pytest.mark.build

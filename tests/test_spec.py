@@ -68,6 +68,11 @@ CASES = [
     ("mode=emulate,host=file,readers=2", "error: readers= sets how mode=engine reads the model file"),
     ("mode=engine,host=file,policy=speed,tau_file=0.4", "error: tau_file applies to rule=threshold"),
     ("mode=engine,policy=quality,tau_file=0.4", "error: tau_file is the threshold for misses read from the model"),
+    ("policy=quality,profile_out=p.txt,profile_every=256", "ok"),
+    ("policy=quality,profile_out=p.txt,profile_every=0", "ok"),
+    ("policy=quality,profile_every=256",
+     "error: profile_every= writes the profile_out= file during the run: it needs profile_out="),
+    ("policy=quality,profile_out=p.txt,profile_every=-1", "error: bad value '-1' for key 'profile_every'"),
     ("mode=engine,host=file,policy=quality,tau_file=1.5", "error: bad value '1.5' for key 'tau_file'"),
     # the anchors' policies (issue 13): values and ranges
     ("rule=cache-route", "ok"),
@@ -110,6 +115,15 @@ CASES = [
     ("rule=band,lo=0.3,hi=0.1", "error: rule=band substitutes the misses with gate weight in [lo, hi): lo (0.3"),
     ("rule=band,hi=1.5", "error: bad value '1.5' for key 'hi' (accepted: the band's upper gate weight bound in [0, 1]"),
     ("policy=quality,lo=0.3", "error: lo applies to rule=band, not to rule=threshold"),
+    # max_rank (issue 22): the ranks the band substitutes at are [min_rank, max_rank]
+    ("rule=band,lo=0,hi=0.15,max_rank=0", "ok"),
+    ("rule=band,lo=0.15,hi=1,min_rank=1", "ok"),
+    ("rule=band,min_rank=1,max_rank=1", "ok"),
+    ("rule=band,min_rank=2,max_rank=1",
+     "error: rule=band substitutes at the ranks in [min_rank, max_rank]: min_rank (2) must not be above max_rank (1)"),
+    ("rule=band,max_rank=-1", "error: bad value '-1' for key 'max_rank' (accepted: the last rank the band substitutes "
+                              "at, in [0, k-1]"),
+    ("rule=first-choice,max_rank=0", "error: max_rank applies to rule=band, not to rule=first-choice"),
     ("rule=bands", "error: bad value 'bands' for key 'rule' (accepted: fetch-all, threshold, first-choice, "
                    "substitute-all, drop, cache-route, zero, ser, band)"),
 ]
@@ -124,6 +138,11 @@ CASES_K = [
     ("rule=cache-route,m=65", "error: bad value '65' for key 'm'"),
     ("rule=ser,kmin=8", "ok"),
     ("rule=ser,kmin=9", "error: bad value '9' for key 'kmin' (accepted: a number of ranks in [1, 8]"),
+    ("rule=band,min_rank=8", "ok"),
+    ("rule=band,min_rank=9", "error: bad value '9' for key 'min_rank' (accepted: a rank in [0, 8]"),
+    ("rule=band,lo=0,hi=1,max_rank=7", "ok"),
+    ("rule=band,lo=0,hi=1,max_rank=8",
+     "error: bad value '8' for key 'max_rank' (accepted: a rank in [0, 7], below the experts used per token (8))"),
     ("policy=quality", "ok"),
 ]
 

@@ -52,6 +52,47 @@ def test_parallel_encoding_writes_the_same_bytes(tmp_path: Path, workers: int,
     assert write_synth_model(spec, tmp_path / "parallel.gguf").read_bytes() == serial
 
 
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_streamed_chunks_write_the_same_bytes(tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer streams each tensor in chunks of rows (CHUNK_BYTES), so that the study's full geometry (2 GiB of
+    float32 per expert tensor) is written in bounded memory: the file does not depend on the chunk size, from whole
+    tensors (the writer before streaming) down to one row per chunk, and no chunk exceeds the bound."""
+    import harness.tools.synth as synth
+
+    spec = SynthSpec(arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2, n_embd=64, n_ff_exp=64, dtype=dtype,
+                     seed=5)
+    monkeypatch.setattr(synth, "CHUNK_BYTES", 1 << 62)  # every tensor in one chunk: whole tensors
+    whole = write_synth_model(spec, tmp_path / "whole.gguf").read_bytes()
+    for chunk in (4 * 64 * 7, 1):  # 7 rows per chunk (uneven splits), one row per chunk
+        monkeypatch.setattr(synth, "CHUNK_BYTES", chunk)
+        assert write_synth_model(spec, tmp_path / f"c{chunk}.gguf").read_bytes() == whole
+    t = next(t for t in synth.plan_moe(spec) if "exps" in t.name)
+    sizes = [c.nbytes for c in synth._value_chunks(t, 5, 4 * 64 * 7)]
+    assert max(sizes) == 4 * 64 * 7 and sum(sizes) == 4 * int(np.prod(t.shape))
+
+
+def test_the_writer_holds_a_few_chunks_not_a_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory while writing (numpy's allocations, tracemalloc) is a few chunks: a model of 4 MiB float32 expert
+    tensors written in 64 KiB chunks peaks under 1 MiB, against more than a tensor (4 MiB) a tensor at a time."""
+    import tracemalloc
+
+    import harness.tools.synth as synth
+
+    spec = SynthSpec(arch="qwen3moe", n_layer=1, n_expert=64, n_expert_used=4, n_embd=128, n_ff_exp=128,
+                     dtype="q4_0", seed=1)
+    write_synth_model(spec, tmp_path / "warm.gguf")  # the tokenizer is built (and cached) outside the measurement
+    peaks = {}
+    for chunk in (1 << 62, 64 << 10):
+        monkeypatch.setattr(synth, "CHUNK_BYTES", chunk)
+        tracemalloc.start()
+        try:
+            write_synth_model(spec, tmp_path / f"{chunk}.gguf")
+            peaks[chunk] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks[64 << 10] < (1 << 20) and peaks[1 << 62] > 4 * (1 << 20), peaks
+
+
 @pytest.mark.parametrize("dtype", WRITABLE)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_info_matches_spec(tmp_path: Path, arch: str, dtype: str) -> None:

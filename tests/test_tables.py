@@ -71,6 +71,9 @@ def test_every_key_the_harness_writes_is_a_spec_key() -> None:
         _check_items(policy_cache_spec(name, "emulate", 16, "stats.json").items(), f"catalogue.POLICIES[{name!r}]")
     _check_items(band_items(lo=0.3), "composition.band_items(lo=)")
     _check_items(band_items(hi=0.05), "composition.band_items(hi=)")
+    # harness study's rank split (study_matched.py): heavy non-first choices and light first choices
+    _check_items(band_items(lo=0.15, min_rank=1), "composition.band_items(lo=, min_rank=)")
+    _check_items(band_items(hi=0.2, max_rank=0), "composition.band_items(hi=, max_rank=)")
 
 
 def test_the_checks_above_can_fail() -> None:
@@ -88,4 +91,4 @@ def test_config_block_keeps_every_captured_field_in_order() -> None:
     path = project.project_root() / "tests" / "data" / "patched-cpu" / "cache-stats-quality.json"
     captured = list(json.loads(path.read_text())["config"])
     assert [f for f in fields if f in captured] == captured, "the config block lost or reordered a field"
-    assert {"band_lo", "band_hi", "band_min_rank"} <= set(fields)
+    assert {"band_lo", "band_hi", "band_min_rank", "band_max_rank"} <= set(fields)

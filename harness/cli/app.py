@@ -256,6 +256,85 @@ def _add_frontier(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     f.set_defaults(func=_cmd_frontier)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from rich.markdown import Markdown
+
+    from harness.domain.tune import TuneGrid, TuneOptions
+    from harness.orchestration import tune
+    from harness.report.tune import summary_lines
+
+    grid = TuneGrid(fractions=tuple(f / 100 for f in options.floats(args.residency.replace("%", ""))),
+                    taus=options.floats(args.taus), first_choice=not args.no_first_choice,
+                    zero_taus=options.floats(args.zero_taus), admits=options.words(args.admits),
+                    evicts=options.words(args.evicts), prefetch=options.words(args.prefetch))
+    model = args.model or args.model_opt
+    name = (model or tune_default_model()).name
+    opts = TuneOptions(out=options.out_dir(args, f"tune-{name}"), model=model, grid=grid,
+                       max_delta_pct=options.percent(args.max_delta_ppl, "--max-delta-ppl"), strict=args.strict,
+                       host=args.host,
+                       base_profile=args.base_profile, readers=args.readers, measure=args.measure, runs=args.runs,
+                       n_gen=args.n_gen, profile_out=args.profile_out, seed=args.seed, argv=tuple(sys.argv),
+                       **options.perplexity_settings(args))
+    result = _with_progress("tune", lambda progress: tune.tune(opts, progress))
+    for note in result.notes:
+        err_console.print(f"harness: note: {note}", highlight=False, soft_wrap=True, markup=False)
+    console.print(Markdown("\n".join(summary_lines(result))))
+    console.print(f"report: {opts.out / 'report.md'}", markup=False, highlight=False)
+    return 0
+
+
+def tune_default_model() -> Path:
+    from harness.orchestration.compare import default_model
+
+    return default_model()
+
+
+def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from harness.domain.costmodel import list_profiles
+    from harness.domain.tune import TuneGrid
+
+    g = TuneGrid()
+
+    def join(xs: tuple[object, ...]) -> str:
+        return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)
+
+    t = sub.add_parser("tune", help="the fastest cache policy within a delta-PPL bound on this machine (simulator "
+                       "search, emulate checks), written as the tuned profile that --moe-cache auto reads")
+    t.add_argument("model", type=Path, nargs="?", help="a .gguf MoE model (default: the project's trained model)")
+    t.add_argument("--model", dest="model_opt", type=Path, help=argparse.SUPPRESS)
+    t.add_argument("--max-delta-ppl", default="1%", help="the bound on delta-PPL, in percent, on its point estimate "
+                   "(default: %(default)s)")
+    t.add_argument("--strict", action="store_true", help="the bound on the 95%% CI's upper end instead")
+    options.add_text(t)
+    t.add_argument("--residency", default=join(tuple(x * 100 for x in g.fractions)),
+                   help="resident percent of each layer's experts, one profile entry each (default: %(default)s)")
+    t.add_argument("--taus", default=join(g.taus), help="the threshold rule's taus (default: %(default)s)")
+    t.add_argument("--no-first-choice", action="store_true", help="leave first-choice out of the search")
+    t.add_argument("--zero-taus", default=join(g.zero_taus), help="the zero rule's taus (drop-light's family; "
+                   "default: %(default)s)")
+    t.add_argument("--admits", default=join(g.admits), help="admission: off, on or beta values (default: %(default)s)")
+    t.add_argument("--evicts", default=join(g.evicts), help="evictions: lfu, lru, classlru (default: %(default)s)")
+    t.add_argument("--prefetch", default=join(g.prefetch), help="prefetch: off, on (default: %(default)s)")
+    t.add_argument("--host", choices=("file", "ram"), help="where misses come from: the model file (default without "
+                   "a GPU) or host memory (default with one)")
+    t.add_argument("--base-profile", default="cpu-disk", help=f"the cost model's constants that are not measured: "
+                   f"{', '.join(list_profiles())} (default: %(default)s)")
+    t.add_argument("--readers", type=int, default=4, help="the engine's reader threads: the disk is measured with "
+                   "as many (default: %(default)s)")
+    t.add_argument("--measure", action="store_true", help="also measure decode speed with llama-bench and the "
+                   "engine for the choice and the presets (a benchmark: use an idle machine)")
+    t.add_argument("--runs", type=int, default=3, help="--measure: repetitions (default: %(default)s)")
+    t.add_argument("--n-gen", type=int, default=32, help="--measure: decoded tokens per run (default: %(default)s)")
+    t.add_argument("--profile-out", type=Path, help="where to write the profile (default: <model>.moe-tune.json "
+                   "next to the model, else ~/.cache/moe-subst/tune/)")
+    options.add_ctx(t, 512)
+    options.add_chunks(t, 32)
+    options.add_threads(t)
+    options.add_out(t, "results folder (default: results/tune-<model>); an existing one is resumed")
+    options.add_seed(t)
+    t.set_defaults(func=_cmd_tune)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from harness.orchestration import check
 
@@ -379,6 +458,39 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     options.add_out(s, "results folder (default: results/study); an existing one is resumed")
     options.add_seed(s)
     s.set_defaults(func=_cmd_study)
+
+
+# ---- bpb ----------------------------------------------------------------------------------------------------
+
+def _cmd_bpb(args: argparse.Namespace) -> int:
+    from harness.domain.bpb import BpbOptions
+    from harness.orchestration import bpb
+    from harness.report.bpb import render_bpb_json, render_bpb_terminal
+
+    opts = BpbOptions(out=options.out_dir(args, f"bpb-{args.model.stem}-{(args.text or bpb.DEFAULT_TEXT).stem}"),
+                      model=args.model, seed=args.seed, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    result = _with_progress("bpb", lambda progress: bpb.bpb(opts, progress))
+    if args.json:
+        print(render_bpb_json(result), end="")
+    else:
+        console.print(render_bpb_terminal(result), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def _add_bpb(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    b = sub.add_parser("bpb", help="bits per byte of a text: cross-entropy per byte, comparable between models with "
+                       "different tokenizers")
+    b.add_argument("model", type=Path, help="a .gguf model with a byte-level BPE vocabulary")
+    options.add_text(b, "the text (default: eval/data/heldout.txt)")
+    options.add_ctx(b, 0, "context: chunks of this many tokens, the second half of each scored (default: the "
+                    "model's training context, or 512 when it states none)")
+    options.add_chunks(b, 0, "chunks, 0 = all (default: %(default)s)")
+    options.add_threads(b)
+    options.add_out(b, "results folder (default: results/bpb-MODEL-TEXT); an existing one is resumed")
+    b.add_argument("--json", action="store_true", help="print the result as JSON (what bpb.json in the results "
+                   "folder holds)")
+    options.add_seed(b)
+    b.set_defaults(func=_cmd_bpb)
 
 
 # ---- composition (Experiment B), generate -------------------------------------------------------------------
@@ -579,11 +691,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_sweep(sub)
     _add_frontier(sub)
+    _add_tune(sub)
     _add_check_and_report(sub)
     _add_topics(sub)
     _add_study(sub)
     _add_composition(sub)
     _add_generate(sub)
+    _add_bpb(sub)
     _add_simulate(sub)
     return p
 

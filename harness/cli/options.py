@@ -78,3 +78,11 @@ def ints(text: str, what: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise HarnessError(f"{what}: not a comma-separated list of integers: {text!r}") from None
+
+
+def percent(text: str, what: str) -> float:
+    """A percentage as typed: "1%", "1" or "0.5%"."""
+    try:
+        return float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise HarnessError(f"{what}: not a percentage: {text!r} (e.g. 1%)") from None

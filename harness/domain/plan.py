@@ -59,12 +59,27 @@ class SlotPlan:
 BANK_PADDING = 512  # bytes of alignment padding counted per cache bank (one bank per routed-expert tensor and layer)
 ENGINE_RESERVE = 256 * 2**20  # the engine's default vram_reserve (docs/expert-cache-engine.md)
 KV_CELL_PAD = 256  # llama.cpp pads the KV cache's cells to a multiple of this
+# ram= only (the process's own memory besides weights, context, reserve and banks): the runtime's baseline
+# (LLAMA_EXPERT_RUNTIME_BASELINE, src/llama/llama-expert-machine.h) and the reader threads' buffers: with host=file
+# each of `readers` threads (the spec's readers=, default ENGINE_READERS) and the calling thread keep one aligned
+# buffer of the largest expert slice plus two O_DIRECT blocks (llama-expert-io.cpp). tests/test_machine.py holds the
+# constants equal to the C++.
+RUNTIME_BASELINE = 48 * 2**20
+ENGINE_READERS = 4
+READ_ALIGN = 4096
+
+
+def reader_buffer_bytes(info: ModelInfo, readers: int = ENGINE_READERS) -> int:
+    """The reader buffers of a ram= plan with host=file: (readers + 1) x (the largest expert slice + 2 x 4096)."""
+    if readers <= 0 or not info.expert_tensors:
+        return 0
+    return (readers + 1) * (max(info.bytes_per_expert_tensor.values()) + 2 * READ_ALIGN)
 
 
 @dataclass(frozen=True)
 class BudgetTerms:
-    """The terms of the arithmetic, in bytes: fixed = weights + context + reserve + one spare slot + padding;
-    slots = min(n_expert, (vram - fixed) // per_slot), at least k."""
+    """The terms of the arithmetic, in bytes: fixed = weights + context + reserve + readers + baseline + one spare
+    slot + padding; slots = min(n_expert, (vram - fixed) // per_slot), at least k."""
 
     weights: int  # the weights on the device (with --cpu-moe: the non-expert weights)
     context: int  # the context's memory on the device (KV cache); the engine measures it
@@ -74,10 +89,17 @@ class BudgetTerms:
     n_expert: int
     k: int
     where: str = "on the device"  # where the budget is: "in RAM" for ram= (compare --ram)
+    readers: int = 0  # ram=: the reader threads' buffers (reader_buffer_bytes)
+    baseline: int = 0  # ram=: the runtime's baseline (RUNTIME_BASELINE)
 
     @property
     def fixed(self) -> int:
-        return self.weights + self.context + self.reserve + self.per_slot + BANK_PADDING * self.n_banks
+        return (self.weights + self.context + self.reserve + self.readers + self.baseline + self.per_slot
+                + BANK_PADDING * self.n_banks)
+
+    def total(self, slots: int) -> int:
+        """The bytes a plan of `slots` per layer holds (what the engine checks against the memory cgroup)."""
+        return self.fixed + slots * self.per_slot
 
     @property
     def minimum(self) -> int:
@@ -91,6 +113,8 @@ class BudgetTerms:
                 f"{format_bytes(self.weights)}"
                 + (f", the context {format_bytes(self.context)}" if self.context else "")
                 + (f", the reserve {format_bytes(self.reserve)}" if self.reserve else "")
+                + (f", the reader buffers {format_bytes(self.readers)}" if self.readers else "")
+                + (f", the runtime's baseline {format_bytes(self.baseline)}" if self.baseline else "")
                 + f", and the cache needs at least {self.k} experts per layer plus a spare slot; the minimum is "
                 f"{format_bytes(self.minimum)}")
         return min(self.n_expert, (vram - self.fixed) // self.per_slot)
@@ -104,12 +128,14 @@ def budget_terms(info: ModelInfo, reserve: int = 0, context: int = 0) -> BudgetT
                        n_banks=len(info.expert_tensors), n_expert=info.n_expert, k=info.n_expert_used)
 
 
-def ram_budget_terms(info: ModelInfo, reserve: int, context: int) -> BudgetTerms:
+def ram_budget_terms(info: ModelInfo, reserve: int, context: int, readers: int = ENGINE_READERS) -> BudgetTerms:
     """The terms of the engine's `ram=` budget (host=file): every non-expert weight and the context in RAM, the
-    routed experts in the file; the same formula as `vram=`."""
+    routed experts in the file, and the process's own memory (the reader buffers of `readers` threads, the runtime's
+    baseline); the same formula as `vram=`."""
     return BudgetTerms(weights=info.non_expert_bytes, context=context, reserve=reserve,
                        per_slot=info.bytes_per_expert * info.n_moe_layers, n_banks=len(info.expert_tensors),
-                       n_expert=info.n_expert, k=info.n_expert_used, where="in RAM (the routed experts excepted)")
+                       n_expert=info.n_expert, k=info.n_expert_used, where="in RAM (the routed experts excepted)",
+                       readers=reader_buffer_bytes(info, readers), baseline=RUNTIME_BASELINE)
 
 
 def kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:

@@ -31,6 +31,9 @@ FRONTIER_GRID_KEYS = ("families", "fractions", "taus", "admits", "evicts", "j", 
                       "kmins", "ts")
 TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", "window", "n_ctx", "chunks",
                      "threads", "n_boot", "seed", "argv")
+BPB_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
+TUNE_OPTION_KEYS = ("out", "model", "text", "max_delta_pct", "strict", "grid", "host", "base_profile", "readers",
+                    "measure", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
 
 
 def _json_value(v: Any) -> Any:
@@ -202,3 +205,17 @@ def topics_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, 
                        binaries: dict[str, str]) -> str:
     return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": n_ctx, "chunks": chunks,
                     "policy": policy, "slots": slots, "binaries": binaries, "command": "topics"})
+
+
+def bpb_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, binaries: dict[str, str]) -> str:
+    """What a resumed bpb run must share: the model and the text (path, size, mtime), context, chunks, binaries."""
+    return _digest({"model": _model_stat(model), "text": _model_stat(text), "n_ctx": n_ctx, "chunks": chunks,
+                    "binaries": binaries, "command": "bpb"})
+
+
+def tune_fingerprint(model: Path, text: Path, opts: Any, binaries: dict[str, str]) -> str:
+    """What a resumed tune must share with its records: the model and the text (path, size, mtime), context, chunks,
+    threads (the decode rate) and binaries. The bound and the grid may change: a record is one configuration's run,
+    named by its spec, whatever the search that asked for it."""
+    return _digest({"model": _model_stat(model), "text": _model_stat(text), "n_ctx": opts.n_ctx,
+                    "chunks": opts.chunks, "threads": opts.threads, "binaries": binaries, "command": "tune"})

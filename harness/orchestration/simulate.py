@@ -172,13 +172,13 @@ def check_trace_matches(trace: Path, info: ModelInfo) -> None:
 def check_trace_model(trace: Path, model: Path) -> tuple[str, ...]:
     """A trace recorded on another model (its header's fingerprint is not `model`'s: gguf_model.model_fingerprint)
     is one line of HarnessError: its expert sizes and routing are another model's, and so would every estimate be.
-    A trace without a fingerprint (0: every trace this pin's engine writes) gives a note that it cannot be checked."""
+    A trace without a fingerprint (0: one written before the engine wrote it) gives a note that it cannot be checked."""
     from harness.parsers.gguf_model import model_fingerprint
 
     recorded = read_trace_header(trace).fingerprint
     if recorded == 0:
-        return (f"the trace {trace} carries no fingerprint of the model it was recorded on (this build's engine "
-                f"writes none yet): that it was recorded on {model} is not checked",)
+        return (f"the trace {trace} carries no fingerprint of the model it was recorded on (an older trace): that it "
+                f"was recorded on {model} is not checked",)
     mine = model_fingerprint(model)
     if recorded != mine:
         raise HarnessError(f"the trace {trace} was recorded on another model than {model} (model fingerprint "

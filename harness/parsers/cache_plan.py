@@ -1,11 +1,12 @@
 """The expert cache's budget plan, which the patched build logs when `vram=` or `ram=` sizes its banks
 (src/llama, `llama_expert_engine_slots_for_budget`), in exact bytes, at info level (`-lv 4`; llama-bench: `-v`):
-    <func>: expert cache plan: vram=<n> weights=<n> context=<n> reserve=<n> per_slot=<n> banks=<n> n_expert=<n>
-        k=<n> slots=<n>        (one line)
-from the format `"%s: expert cache plan: %s=%llu weights=%llu context=%llu reserve=%llu per_slot=%llu banks=%llu
-n_expert=%d k=%d slots=%d\\n"` (`ram=` in place of `vram=` for a RAM budget). The terms are harness.domain.plan's
-`BudgetTerms` (fixed = weights + context + reserve + one spare slot + 512 bytes per bank; slots = min(n_expert,
-(budget - fixed) // per_slot)); the tests hold the two formulas equal through this parser.
+    <func>: expert cache plan: vram=<n> weights=<n> context=<n> reserve=<n> readers=<n> baseline=<n> per_slot=<n>
+        banks=<n> n_expert=<n> k=<n> slots=<n>        (one line)
+from the format `"%s: expert cache plan: %s=%llu weights=%llu context=%llu reserve=%llu readers=%llu baseline=%llu
+per_slot=%llu banks=%llu n_expert=%d k=%d slots=%d\\n"` (`ram=` in place of `vram=` for a RAM budget; builds before
+the machine check printed no readers= and baseline=, read as 0). The terms are harness.domain.plan's `BudgetTerms`
+(fixed = weights + context + reserve + readers + baseline + one spare slot + 512 bytes per bank; slots =
+min(n_expert, (budget - fixed) // per_slot)); the tests hold the two formulas equal through this parser.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from harness.parsers.base import ParseError
 
 MARK = "expert cache plan: "
 _FIELDS = ("weights", "context", "reserve", "per_slot", "banks", "n_expert", "k", "slots")
+_OWN = ("readers", "baseline")  # after reserve; absent in lines of builds before the machine check (read as 0)
 _LINE_RE = re.compile(re.escape(MARK) + r"(?P<key>vram|ram)=(?P<budget>\d+) "
-                      + " ".join(rf"{f}=(?P<{f}>\d+)" for f in _FIELDS) + r"\s*$")
+                      + " ".join(rf"{f}=(?P<{f}>\d+)" for f in _FIELDS[:3])
+                      + "".join(rf"(?: {f}=(?P<{f}>\d+))?" for f in _OWN) + " "
+                      + " ".join(rf"{f}=(?P<{f}>\d+)" for f in _FIELDS[3:]) + r"\s*$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ class CachePlan:
     n_expert: int
     k: int
     slots: int
+    readers: int = 0  # ram=: the reader threads' buffers
+    baseline: int = 0  # ram=: the runtime's baseline
 
 
 def parse_cache_plans(text: str) -> tuple[CachePlan, ...]:
@@ -48,7 +54,8 @@ def parse_cache_plans(text: str) -> tuple[CachePlan, ...]:
         m = _LINE_RE.search(line)
         if m is None:
             raise ParseError(f"unrecognised expert cache plan line {line.strip()!r}", text)
-        plans.append(CachePlan(m["key"], int(m["budget"]), *(int(m[f]) for f in _FIELDS)))
+        plans.append(CachePlan(m["key"], int(m["budget"]), *(int(m[f]) for f in _FIELDS),
+                               *(int(m[f] or 0) for f in _OWN)))
     return tuple(plans)
 
 

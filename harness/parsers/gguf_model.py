@@ -40,6 +40,7 @@ class ExpertTensor:
     dtype: str
     shape: tuple[int, ...]  # GGUF order: ne0, ne1, ne2 (ne2 = n_expert)
     n_bytes: int
+    offset: int = 0  # where its data starts in the file (bytes)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
         if m:
             moe_layers.add(int(m.group(1)))
             experts.append(ExpertTensor(t.name, m.group(2), m.group(3), t.tensor_type.name,
-                                        tuple(int(x) for x in t.shape), int(t.n_bytes)))
+                                        tuple(int(x) for x in t.shape), int(t.n_bytes), int(t.data_offset)))
             continue
         if (s := _SHEXP_RE.match(t.name)) is not None:
             shexp_layers.add(int(s.group(1)))

@@ -6,8 +6,8 @@ decode order, counts of the recorded actions, and synthetic traces with a skewed
 for benchmarks of `llama-moe-sim`.
 
 The header's first reserved words (offset 40, uint64) hold the fingerprint of the model the trace was recorded on
-(harness.parsers.gguf_model.model_fingerprint; docs/expert-cache.md), 0 where the writer gave none: the engine of
-this pin writes 0 still, so every trace it records reads as one without a fingerprint.
+(harness.parsers.gguf_model.model_fingerprint; docs/expert-cache.md; the engine computes the same in
+llama-expert-fingerprint.cpp), 0 where the writer gave none (traces written before the engine wrote it).
 """
 
 from __future__ import annotations

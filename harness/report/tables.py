@@ -9,7 +9,7 @@ from pathlib import Path
 from harness.core.project import project_root
 from harness.core.sizes import format_bytes
 from harness.domain.catalogue import FULL, STOCK
-from harness.domain.plan import ComparePlan
+from harness.domain.plan import BANK_PADDING, ComparePlan
 from harness.domain.results import (
     BoundCell,
     BudgetVerdict,
@@ -52,7 +52,8 @@ def ram_plan_lines(plan: ComparePlan) -> list[str]:
         "run (page cache counted); both builds on the CPU",
         f"budget terms (the engine's ram= formula): non-expert weights {format_bytes(t.weights)} + context "
         f"{format_bytes(t.context)} (KV cache of {r.n_ctx} tokens, estimated) + reserve {format_bytes(t.reserve)} "
-        f"(vram_reserve) + spare slot and padding {format_bytes(t.fixed - t.weights - t.context - t.reserve)}; "
+        f"(vram_reserve) + reader buffers {format_bytes(t.readers)} + runtime baseline {format_bytes(t.baseline)} "
+        f"+ spare slot and padding {format_bytes(t.per_slot + BANK_PADDING * t.n_banks)}; "
         f"per slot {format_bytes(t.per_slot)} (one expert in each of {i.n_moe_layers} MoE layers) -> "
         f"{r.slots_per_layer} of {i.n_expert} slots per layer ({r.slots_per_layer / i.n_expert:.1%}, "
         f"{format_bytes(r.cache_bytes)}); minimum {format_bytes(t.minimum)}",

@@ -79,12 +79,29 @@ def _tensor_seed(seed: int, name: str) -> np.random.SeedSequence:
     return np.random.SeedSequence([seed, zlib.crc32(name.encode("utf-8"))])
 
 
-def _values(t: PlannedTensor, seed: int) -> npt.NDArray[np.float32]:
+# The writer streams: a tensor's values are drawn and encoded in chunks of whole rows of at most this many bytes of
+# float32 and written as they come, so that writing a model needs memory for a few chunks, never a whole tensor (the
+# study's full geometry has expert tensors of 2 GiB in float32) and never the model; the file is written once, under
+# a temporary name in the same folder and renamed. Drawing a generator's normals in chunks gives the values of one
+# draw, and the encodings are per row (a quantization block never spans rows), so the bytes do not depend on the
+# chunk size (tests/test_synth.py).
+CHUNK_BYTES = 64 << 20
+
+
+def _value_chunks(t: PlannedTensor, seed: int, chunk_bytes: int) -> Iterator[npt.NDArray[np.float32]]:
+    """The tensor's values in row order, in chunks of whole rows (the last axis) of at most `chunk_bytes` float32
+    bytes (at least one row)."""
+    row = t.shape[-1]
+    rows = int(np.prod(t.shape[:-1], dtype=np.int64))
+    step = max(1, chunk_bytes // (4 * row))
     if t.std == 0.0:
-        return np.full(t.shape, t.fill, dtype=np.float32)
+        for r0 in range(0, rows, step):
+            yield np.full((min(step, rows - r0), row), t.fill, dtype=np.float32)
+        return
     rng = np.random.default_rng(_tensor_seed(seed, t.name))
-    data = rng.standard_normal(t.shape, dtype=np.float32) * np.float32(t.std)
-    return data + np.float32(t.fill) if t.fill else data
+    for r0 in range(0, rows, step):
+        data = rng.standard_normal((min(step, rows - r0), row), dtype=np.float32) * np.float32(t.std)
+        yield data + np.float32(t.fill) if t.fill else data
 
 
 def _encode(data: npt.NDArray[np.float32], qtype: int) -> npt.NDArray[np.generic]:
@@ -100,7 +117,7 @@ def _encode(data: npt.NDArray[np.float32], qtype: int) -> npt.NDArray[np.generic
 
 
 def _workers(plan: list[PlannedTensor]) -> int:
-    """Tensors encoded at once: up to the CPU count, as many as memory holds (~6x a tensor's float32 bytes each,
+    """Chunks encoded at once: up to the CPU count, as many as memory holds (~6x a chunk's float32 bytes each,
     for the values and the quantizer's temporaries), 1 for small models."""
     import os
 
@@ -109,33 +126,37 @@ def _workers(plan: list[PlannedTensor]) -> int:
     largest = max((int(np.prod(t.shape, dtype=np.int64)) * 4 for t in plan), default=0)
     if largest < (64 << 20):
         return 1
-    by_memory = int(psutil.virtual_memory().available // (6 * largest))
+    by_memory = int(psutil.virtual_memory().available // (6 * min(largest, CHUNK_BYTES)))
     return max(1, min(os.cpu_count() or 1, by_memory, 8))
 
 
-def _encoded_in_order(plan: list[PlannedTensor], qtypes: list[int], seed: int) -> Iterator[npt.NDArray[np.generic]]:
-    """The plan's tensors, encoded, in order. Each tensor's values depend only on the seed and its name, so the
-    bytes are the same for any number of workers; large models encode several tensors at once (numpy releases
-    the GIL in the generator and the quantizer), with a bounded window."""
-    def encode(t: PlannedTensor, qt: int) -> npt.NDArray[np.generic]:
-        return _encode(_values(t, seed), qt)
-
+def _encoded_in_order(plan: list[PlannedTensor], qtypes: list[int], seed: int
+                      ) -> Iterator[tuple[int, npt.NDArray[np.generic]]]:
+    """(index in the plan, encoded chunk) for every chunk of every tensor, in file order. Each tensor's values
+    depend only on the seed and its name, so the bytes are the same for any number of workers; large models encode
+    several chunks at once (numpy releases the GIL in the quantizer), with a bounded window: memory is a few chunks.
+    """
+    chunk_bytes = CHUNK_BYTES
     n = _workers(plan)
     if n == 1:
-        for t, qt in zip(plan, qtypes, strict=True):
-            yield encode(t, qt)
+        for i, (t, qt) in enumerate(zip(plan, qtypes, strict=True)):
+            for values in _value_chunks(t, seed, chunk_bytes):
+                yield i, _encode(values, qt)
         return
     from collections import deque
     from concurrent.futures import Future, ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=n) as pool:
-        window: deque[Future[npt.NDArray[np.generic]]] = deque()
-        for t, qt in zip(plan, qtypes, strict=True):
-            window.append(pool.submit(encode, t, qt))
-            if len(window) >= n:
-                yield window.popleft().result()
+        window: deque[tuple[int, Future[npt.NDArray[np.generic]]]] = deque()
+        for i, (t, qt) in enumerate(zip(plan, qtypes, strict=True)):
+            for values in _value_chunks(t, seed, chunk_bytes):
+                window.append((i, pool.submit(_encode, values, qt)))
+                if len(window) >= n:
+                    j, f = window.popleft()
+                    yield j, f.result()
         while window:
-            yield window.popleft().result()
+            j, f = window.popleft()
+            yield j, f.result()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,8 +200,21 @@ def _write(path: Path, arch: str, name: str, dtype: DType, seed: int, plan: list
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for data in _encoded_in_order(plan, qtypes, seed):
-            writer.write_tensor_data(data)
+        # gguf's write_tensor_data takes a whole tensor; its layout (the data aligned, each tensor padded to the
+        # alignment) written chunk by chunk instead
+        fout = writer.fout[0] if writer.fout else None
+        assert fout is not None
+        current, written = -1, 0
+        for i, data in _encoded_in_order(plan, qtypes, seed):
+            if i != current:
+                if current >= 0:
+                    _end_tensor(writer, fout, plan[current], qtypes[current], written)
+                writer.write_padding(fout, fout.tell())
+                current, written = i, 0
+            data.tofile(fout)
+            written += data.nbytes
+        if current >= 0:
+            _end_tensor(writer, fout, plan[current], qtypes[current], written)
         writer.close()
     except BaseException:
         writer.close()
@@ -188,6 +222,13 @@ def _write(path: Path, arch: str, name: str, dtype: DType, seed: int, plan: list
         raise
     tmp.replace(path)
     return path
+
+
+def _end_tensor(writer: object, fout: object, t: PlannedTensor, qtype: int, written: int) -> None:
+    """After a tensor's last chunk: check its size against the header's, pad to the alignment."""
+    if written != n_bytes(t.shape, qtype):
+        raise HarnessError(f"synth: tensor {t.name}: wrote {written} bytes, the header says {n_bytes(t.shape, qtype)}")
+    writer.write_padding(fout, written)  # type: ignore[attr-defined]
 
 
 def write_synth_model(spec: SynthSpec, path: str | Path) -> Path:

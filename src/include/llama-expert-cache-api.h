@@ -39,6 +39,12 @@ LLAMA_API bool llama_expert_cache_counters_get(const struct llama_context * ctx,
 LLAMA_API int32_t llama_expert_cache_metrics(const struct llama_context * ctx, char * buf, size_t size);
 LLAMA_API int32_t llama_expert_cache_props  (const struct llama_context * ctx, char * buf, size_t size);
 
+// Async-signal-safe, from any thread: a thread of the cache writes the stats= and profile_out= files of every live
+// expert cache now (each through a temporary file renamed over it), so that a process that may never reach its end
+// keeps them (llama-server on its first SIGTERM or SIGINT: under load it hangs there, upstream's behaviour). Returns
+// at once; does nothing when no cache has such files (the cache off: no thread, no file).
+LLAMA_API void llama_expert_cache_write_files(void);
+
 }
 
 // either text as a std::string (empty when the context has no expert cache)

@@ -3,6 +3,7 @@
 #include "llama-context.h"
 #include "llama-expert-cache.h"
 #include "llama-expert-cache-impl.h"
+#include "llama-expert-writer.h"
 
 #include <cstdarg>
 #include <cstdio>
@@ -109,4 +110,8 @@ int32_t llama_expert_cache_props(const llama_context * ctx, char * buf, size_t s
     text_printf(s, "\"n_slots\": %d, \"n_expert\": %d, \"group_max\": %d, \"bank_bytes\": %llu, \"async\": %s}",
             c.n_slots, c.n_expert, c.group_max, (unsigned long long) c.bank_bytes, c.async ? "true" : "false");
     return text_out(s, buf, size);
+}
+
+void llama_expert_cache_write_files(void) {
+    llama_expert_writer_request();
 }

@@ -12,12 +12,14 @@
 
 #include "llama-expert-engine.h"
 #include "llama-expert-policy.h"
+#include "llama-expert-replay.h"
 #include "llama-ext.h"
 #include "llama-hparams.h"
 
 #include <cstdio>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -58,6 +60,9 @@ struct llama_expert_cache_layer {
     // token-layers that took the prefill bypass (bypass=N), and the bypass's selection counts (scratch)
     uint64_t bypass_tokens = 0;
     std::vector<uint32_t> warm_counts;
+
+    // LLAMA_MOE_CACHE_TEST_REPLAY: the replayed token's expert ids (scratch, k)
+    std::vector<int32_t> replay_ids;
     std::vector<int32_t>  fetched; // engine: the experts a ubatch computes with (scratch)
 
     // actions of the last ubatch, [n_tokens][k], and the factors for the gate weights (llama_expert_layer_policy::decide)
@@ -197,6 +202,15 @@ struct llama_expert_cache_impl {
 
     void print_stats() const;
     bool write_stats(const std::string & path) const;
+    bool write_profile(const std::string & path) const; // profile_out's format (llama-expert-profile.h)
+
+    // The files written during a run (llama-expert-writer.h): stats= and profile_out= now, from any thread, each
+    // through a temporary file renamed over it; why: the log line's reason. Takes state_mtx.
+    void write_files_now(const char * why);
+    // the policies, counters and banks, against the writer thread: held by the route step and reset()
+    std::mutex state_mtx;
+    bool       writer_added = false; // the writer thread may write this cache's files (until its destructor)
+    uint64_t   profile_written_tokens = 0; // profile_every=: the first MoE layer's tokens at the last write
 
     llama_expert_cache_config cfg;
 
@@ -207,9 +221,11 @@ struct llama_expert_cache_impl {
     int32_t group_max = 1; // largest ubatch decided as a group (group key; group_max*n_used <= n_slots)
     bool    dry_run   = false; // a memory-fitting dry run (-fit's probe): no statistics, profile or trace written
     std::string arch; // the model's architecture, for error messages
+    std::unique_ptr<llama_expert_replay> replay; // LLAMA_MOE_CACHE_TEST_REPLAY (tests, benchmarks): routing from a trace
     bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
+    int32_t first_moe = -1; // the first MoE layer, whose route step checks the model files once per ubatch (host=file)
 
     // router trace
     FILE *   trace       = nullptr;
@@ -219,6 +235,7 @@ struct llama_expert_cache_impl {
 
     uint32_t trace_top   = 0;
     uint32_t trace_rsize = 0;
+    uint64_t trace_fingerprint = 0; // of the model (llama-expert-fingerprint.h), in the trace header; 0: none
 
     void trace_open();
 

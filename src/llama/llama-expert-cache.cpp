@@ -2,7 +2,11 @@
 
 #include "llama-expert-cache-impl.h"
 
+#include "llama-expert-fingerprint.h"
+
 #include "llama-expert-profile.h"
+#include "llama-expert-machine.h"
+#include "llama-expert-writer.h"
 
 #include "llama-adapter.h"
 #include "llama-context.h"
@@ -62,9 +66,20 @@ void llama_expert_cache::reset() {
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
         const char * spec);
 
+// LLAMA_MOE_CACHE_TEST_REPLAY replaces the routing in the cache's route step: a run without the cache would ignore it
+// and look like a replayed one
+static void replay_needs_cache(const llama_model & model) {
+    const char * replay = getenv(LLAMA_EXPERT_REPLAY_ENV);
+    if (replay != nullptr && replay[0] != '\0' && !model.hparams.no_alloc) { // said once, by the real context
+        throw std::runtime_error(std::string(LLAMA_EXPERT_REPLAY_ENV) + " is set, but the expert cache is off: routing "
+            "replay runs in the cache's route step (set LLAMA_MOE_CACHE or --moe-cache, or unset " LLAMA_EXPERT_REPLAY_ENV ")");
+    }
+}
+
 std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory) {
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
+        replay_needs_cache(model);
         return nullptr;
     }
     if (model.hparams.no_alloc) {
@@ -82,23 +97,54 @@ std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const
     return expert_cache_create(model, memory, spec);
 }
 
+// `--moe-cache auto`: the spec chosen from the model's and the machine's facts (llama-expert-auto.h), its plan logged in
+// one line with why; the keys the user gave after `auto` override the plan's
+static std::string expert_cache_auto_spec(const llama_model & model, const char * spec, const std::string & rest,
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) {
+    // the user's keys that the decision reads (vram_reserve, readers, policy); defaults where not given or not valid
+    // (the composed spec is parsed, and refused in one line, below)
+    llama_expert_cache_config given;
+    std::string err;
+    if (!llama_expert_cache_config_parse(rest, given, err)) {
+        given = llama_expert_cache_config();
+    }
+    const bool policy_given = llama_expert_auto_user_gives(rest, "policy");
+    const llama_expert_auto_model facts = llama_expert_engine_auto_facts(model, ctx_mem);
+    const llama_expert_machine machine = llama_expert_machine_current();
+    const llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
+        given.vram_reserve, given.readers, policy_given ? given.preset : llama_expert_auto_tuned_policy(""), policy_given);
+    if (!plan.err.empty()) {
+        throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + plan.err);
+    }
+    const std::string run = llama_expert_auto_spec(plan, rest);
+    if (!model.hparams.no_alloc) {
+        LLAMA_LOG_INFO("llama_expert_cache: auto: %s: %s\n", plan.off ? "off" : run.c_str(), plan.why.c_str());
+    }
+    return run;
+}
+
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
-        const char * spec) {
+        const char * spec_env) {
+    std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
+    if (memory) {
+        ctx_mem = memory->memory_breakdown();
+    }
+    std::string rest;
+    const std::string spec_auto = llama_expert_auto_requested(spec_env, rest) ?
+        expert_cache_auto_spec(model, spec_env, rest, ctx_mem) : std::string();
+    const char * spec = spec_auto.empty() ? spec_env : spec_auto.c_str();
     llama_expert_cache_config cfg;
     std::string err;
     if (!llama_expert_cache_config_parse(spec, cfg, err)) {
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + err);
     }
     if (cfg.mode == LLAMA_EXPERT_CACHE_MODE_OFF) {
+        replay_needs_cache(model);
         if (!cfg.off_ignored.empty() && !model.hparams.no_alloc) {
             LLAMA_LOG_WARN("%s: %s='%s': mode=off: the cache is off and %s have no effect\n", __func__,
                 LLAMA_EXPERT_CACHE_ENV, spec, cfg.off_ignored.c_str());
         }
         return nullptr;
-    }
-    std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
-    if (memory) {
-        ctx_mem = memory->memory_breakdown();
     }
     return std::make_unique<llama_expert_cache_impl>(cfg, model, ctx_mem);
 }
@@ -214,6 +260,9 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     const std::string prefix = std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + cfg.spec + "': ";
     const llama_expert_model_shape shape = shape_of(model);
     init_shape(shape, prefix);
+    if (!cfg.trace.empty() && !dry_run) {
+        trace_fingerprint = llama_expert_fingerprint_of_model(model); // the trace is opened by init_end
+    }
     if (model.arch == LLM_ARCH_GROVEMOE) {
         throw std::runtime_error(prefix + "grovemoe routes two expert sets per layer (ffn_*_exps and ffn_*_chexps), which "
             "the expert cache cannot serve: run it without the cache (unset LLAMA_MOE_CACHE, or mode=off)");
@@ -222,12 +271,14 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     n_slots = llama_expert_cache_config_n_slots(cfg, n_expert);
     if (cfg.vram > 0 || cfg.ram > 0) {
         n_slots = llama_expert_engine_slots_for_budget(model, shape.moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
-            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0);
+            cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0, cfg.host_file ? cfg.readers : 0,
+            cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE);
     }
     const int32_t n_moe = init_policies(shape, prefix);
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router
     for (int32_t il = 0, prev = -1; il < n_layer; ++il) {
         if (layers[il]->moe) {
+            first_moe = first_moe < 0 ? il : first_moe;
             if (prev >= 0 && il < (int32_t) model.layers.size() && model.layers[il].ffn_gate_inp != nullptr) {
                 layers[prev]->next_moe = il;
             }
@@ -257,6 +308,11 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     }
 
     init_end(n_moe);
+    if (!dry_run && (!cfg.stats.empty() || !cfg.profile_out.empty())) {
+        // a process that never reaches its end (a llama-server that hangs on SIGTERM under load) still gets them
+        llama_expert_writer_add(this);
+        writer_added = true;
+    }
 }
 
 llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config & cfg_, const llama_expert_model_shape & shape)
@@ -279,6 +335,24 @@ void llama_expert_cache_impl::init_end(int32_t n_moe) {
     trace_top = std::min<uint32_t>(cfg.trace_top, (uint32_t) n_expert);
     if (!cfg.trace.empty() && !dry_run) {
         trace_open();
+    }
+    const char * replay_path = getenv(LLAMA_EXPERT_REPLAY_ENV);
+    if (replay_path != nullptr && replay_path[0] != '\0' && !dry_run) {
+        if (cfg.prefetch) {
+            throw std::runtime_error(std::string(LLAMA_EXPERT_REPLAY_ENV) + " with prefetch=on: the prediction comes from "
+                "the model's own routers, unrelated to the replayed routing; give prefetch=off");
+        }
+        std::vector<bool> moe(n_layer, false);
+        for (int32_t il = 0; il < n_layer; ++il) {
+            moe[il] = layers[il]->moe;
+        }
+        auto r = std::make_unique<llama_expert_replay>();
+        std::string err;
+        if (!r->load(replay_path, n_expert, n_used, moe, err)) {
+            throw std::runtime_error(err);
+        }
+        replay = std::move(r);
+        LLAMA_LOG_WARN("%s: %s\n", who, replay->describe().c_str());
     }
 
     LLAMA_LOG_INFO("%s: mode = %s, policy = %s (rule = %s, tau = %.3f, evict = %s, admit = %s, beta = %.3f, lfu halving every %u tokens)\n",
@@ -332,6 +406,9 @@ static void expert_cache_write_failed(const std::string & spec, const char * key
 }
 
 llama_expert_cache_impl::~llama_expert_cache_impl() {
+    if (writer_added) {
+        llama_expert_writer_remove(this); // waits for a write of this cache's files in progress
+    }
     if (dry_run) {
         return;
     }
@@ -345,16 +422,8 @@ llama_expert_cache_impl::~llama_expert_cache_impl() {
         }
     }
     if (!cfg.profile_out.empty()) {
-        std::vector<const llama_expert_layer_policy *> ps;
-        std::vector<int32_t> ids;
-        for (const auto & L : layers) {
-            if (L->moe) {
-                ps.push_back(&L->policy);
-                ids.push_back(L->il);
-            }
-        }
         errno = 0;
-        if (!llama_expert_profile_write(cfg.profile_out, ps, ids)) {
+        if (!write_profile(cfg.profile_out)) {
             expert_cache_write_failed(cfg.spec, "profile_out", cfg.profile_out, errno, "the profile");
         }
     }
@@ -368,7 +437,44 @@ llama_expert_cache_impl::~llama_expert_cache_impl() {
     }
 }
 
+bool llama_expert_cache_impl::write_profile(const std::string & path) const {
+    std::vector<const llama_expert_layer_policy *> ps;
+    std::vector<int32_t> ids;
+    for (const auto & L : layers) {
+        if (L->moe) {
+            ps.push_back(&L->policy);
+            ids.push_back(L->il);
+        }
+    }
+    return llama_expert_profile_write(path, ps, ids);
+}
+
+void llama_expert_cache_impl::write_files_now(const char * why) {
+    std::lock_guard<std::mutex> lock(state_mtx);
+    std::string done;
+    for (const auto & [path, what] : { std::make_pair(&cfg.stats, "statistics"), std::make_pair(&cfg.profile_out, "profile") }) {
+        if (path->empty()) {
+            continue;
+        }
+        const bool ok = llama_expert_write_replacing(*path, [this, path = path](const std::string & p) {
+            return path == &cfg.stats ? write_stats(p) : write_profile(p);
+        });
+        if (ok) {
+            done += (done.empty() ? "" : ", ") + std::string(what) + " to " + *path;
+        } else {
+            LLAMA_LOG_WARN("expert cache: on %s: the %s could not be written to %s (%s)\n", why, what, path->c_str(),
+                strerror(errno));
+        }
+    }
+    if (!done.empty()) {
+        // a warning, so that the default verbosity shows it: the run may not reach its end (its own files' line)
+        LLAMA_LOG_WARN("expert cache: on %s: %s written\n", why, done.c_str());
+    }
+}
+
 void llama_expert_cache_impl::reset() {
+    std::lock_guard<std::mutex> lock(state_mtx);
+    profile_written_tokens = 0;
     if (engine) {
         // no copy in flight or deferred past this point
         for (auto & L : layers) {

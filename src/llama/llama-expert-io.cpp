@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 bool llama_expert_mapped_file_of(const void * p, std::string & path, uint64_t & off) {
@@ -93,6 +94,63 @@ static bool read_failed(llama_expert_file & f, ssize_t r, size_t size, const cha
     return false;
 }
 
+static int64_t mtime_ns_of(const struct stat & st) {
+    return (int64_t) st.st_mtim.tv_sec * 1000000000 + (int64_t) st.st_mtim.tv_nsec;
+}
+
+static std::string format_mtime(int64_t ns) {
+    return format("%lld.%09lld", (long long) (ns / 1000000000), (long long) (ns % 1000000000));
+}
+
+// the descriptor's file against the file as opened: false (the file marked failed, its first failure logged) when its
+// size or modification time changed
+static bool file_unchanged(llama_expert_file & f) {
+    struct stat st;
+    if (fstat(f.fd, &st) != 0) {
+        return true; // nothing to compare; a read reports its own errors
+    }
+    const uint64_t size  = (uint64_t) st.st_size;
+    const int64_t  mtime = mtime_ns_of(st);
+    if (size == f.size && mtime == f.mtime_ns) {
+        return true;
+    }
+    std::lock_guard<std::mutex> lock(f.error_mtx);
+    if (!f.failed.load()) {
+        std::string what;
+        if (size != f.size) {
+            what = format("size %llu -> %llu bytes", (unsigned long long) f.size, (unsigned long long) size);
+        }
+        if (mtime != f.mtime_ns) {
+            what += (what.empty() ? "" : ", ") + format("modified %s -> %s", format_mtime(f.mtime_ns).c_str(),
+                format_mtime(mtime).c_str());
+        }
+        f.error = format("expert cache: host=file: the model file %s changed after loading (%s): it was rewritten or "
+            "truncated in place; every decode now fails (restore the file and load the model again)",
+            f.path.c_str(), what.c_str());
+        LLAMA_LOG_ERROR("%s\n", f.error.c_str());
+        f.failed = true;
+    }
+    return false;
+}
+
+bool llama_expert_file_check(llama_expert_file & f) {
+    if (f.failed.load(std::memory_order_relaxed) || !file_unchanged(f)) {
+        return false;
+    }
+    if (!f.warned_replaced.load(std::memory_order_relaxed)) {
+        struct stat st;
+        const bool gone = stat(f.path.c_str(), &st) != 0;
+        if ((gone || (uint64_t) st.st_dev != f.dev || (uint64_t) st.st_ino != f.ino) && !f.warned_replaced.exchange(true)) {
+            const std::string now = gone ? format("removed: %s", strerror(errno))
+                                         : format("inode %llu -> %llu", (unsigned long long) f.ino, (unsigned long long) st.st_ino);
+            LLAMA_LOG_WARN("expert cache: host=file: the path of the model file %s now names another file or none (%s): "
+                "this process keeps reading the file it loaded, which is unchanged; load the model again to use the "
+                "new one\n", f.path.c_str(), now.c_str());
+        }
+    }
+    return true;
+}
+
 bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
                             const char * tensor_name) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -139,6 +197,9 @@ bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t 
             ggml_backend_tensor_set(bank, src, offset, size);
         }
     }
+    if (!file_unchanged(f)) {
+        return false; // what was read may be of the changed file
+    }
     f.reads.fetch_add(1, std::memory_order_relaxed);
     f.bytes.fetch_add(size, std::memory_order_relaxed);
     f.ns.fetch_add((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -154,6 +215,16 @@ std::unique_ptr<llama_expert_file> llama_expert_file_open(const std::string & pa
     if (f->fd < 0) {
         throw std::runtime_error(pfx + "host=file: cannot open " + path + ": " + strerror(errno));
     }
+    struct stat st;
+    if (fstat(f->fd, &st) != 0) {
+        const int err = errno;
+        close(f->fd);
+        throw std::runtime_error(pfx + "host=file: cannot stat " + path + ": " + strerror(err));
+    }
+    f->size     = (uint64_t) st.st_size;
+    f->mtime_ns = mtime_ns_of(st);
+    f->dev      = (uint64_t) st.st_dev;
+    f->ino      = (uint64_t) st.st_ino;
     if (direct != LLAMA_EXPERT_DIRECT_OFF) {
 #ifdef O_DIRECT
         // tests: LLAMA_MOE_CACHE_TEST_DIRECT=refuse-open|refuse-read plays a file system that refuses O_DIRECT

@@ -26,7 +26,16 @@ struct llama_expert_file {
     std::atomic<uint64_t> ns{0};
     bool                  test_refuse_read = false; // tests: O_DIRECT reads fail with EINVAL
 
-    // a failed read (the file truncated or damaged after loading, a read error): the first one's message
+    // the file as opened (fstat of fd): a later size or modification time of the descriptor's file means that it was
+    // rewritten or truncated in place; another inode at path means it was replaced (renamed over) or removed
+    uint64_t              size     = 0;
+    int64_t               mtime_ns = 0;
+    uint64_t              dev      = 0;
+    uint64_t              ino      = 0;
+    std::atomic<bool>     warned_replaced{false};
+
+    // a failed read (the file truncated or damaged after loading, a read error) or a change of the file in place:
+    // the first one's message
     std::atomic<bool>     failed{false};
     std::mutex            error_mtx;
     std::string           error;
@@ -35,12 +44,22 @@ struct llama_expert_file {
 // host=file: read size bytes at file_off of f into bank at offset (synchronously; with O_DIRECT the aligned span
 // around them into a buffer of the calling thread, else buffered reads whose pages are then dropped from the page
 // cache). On a short read or a read error (the model file was truncated or damaged after loading: moving or
-// replacing it is harmless, the engine holds its own descriptors) returns false, having logged one line naming the
-// read, the tensor and the file (the first failure of the file) and marked the file failed: the engine can no
-// longer serve that file's experts, and the cache then ends every compute (llama_decode returns 2)
+// replacing it is harmless, the engine holds its own descriptors), or when the file changed in place by the end of
+// the read (llama_expert_file_check's first test: one fstat, next to the pread and posix_fadvise of every read),
+// returns false, having logged one line naming the read, the tensor and the file, or the file and what changed (the
+// first failure of the file) and marked the file failed: the engine can no longer serve that file's experts, and the
+// cache then ends every compute (llama_decode returns 2)
 bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t file_off, size_t offset, size_t size,
                             const char * tensor_name);
 
+
+// host=file: whether the model file is still the one opened, checked once per ubatch (the route step of the first MoE
+// layer) and after every read. Its size or modification time changed (fstat of the descriptor: it was rewritten or
+// truncated in place, so the experts read from it, and the loader's mapping of the other weights, are no longer the
+// loaded model's, even when the bytes written were the same): false, the file marked failed and one line logged, as
+// for a failed read. Its path names another file (stat: renamed over, or removed): one warning, once, and true: the
+// descriptors and the loader's mapping still hold the file that was loaded, which nothing changed.
+bool llama_expert_file_check(llama_expert_file & f);
 
 // host=file: open a model file for buffered reads and, unless direct=off, with O_DIRECT (refused on some file
 // systems, e.g. tmpfs: direct=auto falls back to buffered reads and says so, direct=on is an error). Throws

@@ -32,6 +32,7 @@ struct llama_expert_params {
     float    band_lo       = 0.0f;
     float    band_hi       = 1.0f;
     int32_t  band_min_rank = 0;
+    int32_t  band_max_rank = -1; // -1: no last rank
     bool     renorm     = false;
     bool     light_host = false;
     bool     prefetch   = false;

@@ -1,4 +1,5 @@
 #include "llama-expert-cache-impl.h"
+#include "llama-expert-writer.h"
 
 #include "llama-graph.h"
 #include "llama-impl.h"
@@ -7,9 +8,11 @@
 #include "ggml.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 
 // the route step
@@ -188,6 +191,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     }
     auto & L     = *(llama_expert_cache_layer *) userdata;
     auto & cache = *L.cache;
+    std::lock_guard<std::mutex> lock(cache.state_mtx); // against the writer thread (llama-expert-writer.h)
 
     const auto t_start = std::chrono::steady_clock::now();
 
@@ -204,6 +208,20 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     const bool banked = cache.banked(dst);
 
+    if (cache.engine && L.il == cache.first_moe && !cache.engine->files.empty()) {
+        // host=file, once per ubatch: a model file changed in place is marked failed, and the cache's abort callback
+        // ends this compute (the loader's mapping of the other weights is the changed file too)
+        cache.engine->check_files();
+    }
+    if (L.il == cache.first_moe && cache.cfg.profile_every > 0 &&
+            L.route_tokens + L.bypass_tokens >= cache.profile_written_tokens + cache.cfg.profile_every) {
+        // profile_every=: what the run has learned so far, before this ubatch
+        cache.profile_written_tokens = L.route_tokens + L.bypass_tokens;
+        if (!llama_expert_write_replacing(cache.cfg.profile_out, [&](const std::string & p) { return cache.write_profile(p); })) {
+            LLAMA_LOG_WARN("expert cache: profile_every=%u: the profile could not be written to %s (%s)\n",
+                cache.cfg.profile_every, cache.cfg.profile_out.c_str(), strerror(errno));
+        }
+    }
     if (cache.engine) {
         // the background copies issued at this layer's previous step have completed (GPU: wait on their event)
         cache.engine->complete(L.il, L.policy);
@@ -279,6 +297,14 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
         }
 
         const float * scores = route_gate(L, id, lg, bias ? (const float *) bias->data : nullptr, k, E, need_probs);
+        if (cache.replay) {
+            // tests and benchmarks: this token-layer's experts and gate weights from a recorded trace (the router's
+            // scores stay the model's: a substitute is still chosen among resident experts by them)
+            GGML_ASSERT(k == cache.n_used);
+            L.replay_ids.resize(k);
+            cache.replay->next(L.il, L.replay_ids.data(), w);
+            id = L.replay_ids.data();
+        }
         if (cache.test_gating) {
             std::copy(w, w + k, L.gate_w.data() + t*k);
         }

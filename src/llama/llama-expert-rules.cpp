@@ -50,11 +50,12 @@ static bool ser_skip(int32_t rank, float w, float w0, const llama_expert_params 
     return rank >= p.ser_kmin && !(w > p.ser_t * w0);
 }
 
-// Experiment B: a miss with gate weight in [lo, hi) at a rank >= min_rank substituted (hi = 1: no upper bound),
-// every other miss fetched
+// Experiment B: a miss with gate weight in [lo, hi) at a rank in [min_rank, max_rank] substituted (hi = 1: no upper
+// bound; max_rank < 0: no last rank), every other miss fetched
 static llama_expert_verdict band(int32_t rank, float w, bool, const llama_expert_params & p) {
-    const bool in_band = w >= p.band_lo && (w < p.band_hi || p.band_hi >= 1.0f);
-    return rank >= p.band_min_rank && in_band ? LLAMA_EXPERT_VERDICT_SUBSTITUTE : LLAMA_EXPERT_VERDICT_FETCH;
+    const bool in_band  = w >= p.band_lo && (w < p.band_hi || p.band_hi >= 1.0f);
+    const bool in_ranks = rank >= p.band_min_rank && (p.band_max_rank < 0 || rank <= p.band_max_rank);
+    return in_ranks && in_band ? LLAMA_EXPERT_VERDICT_SUBSTITUTE : LLAMA_EXPERT_VERDICT_FETCH;
 }
 
 //
@@ -81,7 +82,11 @@ static std::string describe_ser(const llama_expert_params & p, int32_t, int32_t)
 }
 
 static std::string describe_band(const llama_expert_params & p, int32_t, int32_t) {
-    const std::string ranks = p.band_min_rank > 0 ? "at ranks >= " + std::to_string(p.band_min_rank) : "at any rank";
+    const std::string lo = std::to_string(p.band_min_rank), hi = std::to_string(p.band_max_rank);
+    const std::string ranks =
+        p.band_max_rank == p.band_min_rank ? "at rank " + lo + " only" :
+        p.band_max_rank >= 0 ? (p.band_min_rank > 0 ? "at ranks " + lo + " to " + hi : "at ranks <= " + hi) :
+        p.band_min_rank > 0  ? "at ranks >= " + lo : "at any rank";
     return describe_format("band: misses with gate weight in [%.3f, %s) substituted %s, the others fetched%s", p.band_lo,
         p.band_hi >= 1.0f ? "1]" : std::to_string(p.band_hi).c_str(), ranks.c_str(),
         p.light_host ? " (light=host: computed on the host)" : "");
@@ -101,7 +106,7 @@ const llama_expert_rule LLAMA_EXPERT_RULES[] = {
     { LLAMA_EXPERT_MISS_CACHE_ROUTE,    "cache-route",    "j,m,alpha",      "",                  false, true,  true,  cache_route,    nullptr,  describe_cache_route },
     { LLAMA_EXPERT_MISS_ZERO,           "zero",           "tau",            "",                  true,  false, false, zero,           nullptr,  nullptr              },
     { LLAMA_EXPERT_MISS_SER,            "ser",            "kmin,t",         "",                  true,  false, false, ser,            ser_skip, describe_ser         },
-    { LLAMA_EXPERT_MISS_BAND,           "band",           "lo,hi,min_rank", "",                  false, true,  false, band,           nullptr,  describe_band        },
+    { LLAMA_EXPERT_MISS_BAND,           "band",           "lo,hi,min_rank,max_rank", "",         false, true,  false, band,           nullptr,  describe_band        },
 };
 
 const int32_t LLAMA_EXPERT_N_RULES = (int32_t) (sizeof(LLAMA_EXPERT_RULES) / sizeof(LLAMA_EXPERT_RULES[0]));

@@ -29,6 +29,8 @@
 //     upper bound (w = 1 is in the band). lo=0.3 substitutes only heavy misses, hi=0.05 only light ones.
 //   - rule=band with min_rank=R: ranks below R are fetched on a miss whatever their weight (min_rank=1: the
 //     first choice is always fetched, so that a band of light weights is told apart from the first choice).
+//   - rule=band with max_rank=M: ranks above M are fetched on a miss whatever their weight (max_rank=0: only a
+//     first choice is ever substituted, the study's light first choices `rule=band,hi=H,max_rank=0`).
 //   - light=host (rules that substitute): a light miss, one the rule does not fetch by its rank or weight (which
 
 #include "llama-expert-params.h"
@@ -45,7 +47,7 @@ enum llama_expert_miss_rule {
     LLAMA_EXPERT_MISS_CACHE_ROUTE    = 5, // colibri CACHE_ROUTE: ranks < j fetched, later ones a resident of the top m
     LLAMA_EXPERT_MISS_ZERO           = 6, // colibri DEGRADE_ZERO: drop a miss with gate weight < tau, fetch the others
     LLAMA_EXPERT_MISS_SER            = 7, // ik_llama.cpp SER: skip ranks >= kmin unless w > t * w_0 (cache-unaware)
-    LLAMA_EXPERT_MISS_BAND           = 8, // substitute a miss with gate weight in [lo, hi) at ranks >= min_rank, fetch the others
+    LLAMA_EXPERT_MISS_BAND           = 8, // substitute a miss with gate weight in [lo, hi) at ranks in [min_rank, max_rank], fetch the others
 };
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule);

@@ -254,6 +254,11 @@ static bool spec_key_min_rank(const std::string & val, llama_expert_cache_config
     return parse_int(val, 0, 65536, v) && (cfg.band_min_rank = (int32_t) v, true);
 }
 
+static bool spec_key_max_rank(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, 65536, v) && (cfg.band_max_rank = (int32_t) v, true);
+}
+
 static bool spec_key_renorm(const std::string & val, llama_expert_cache_config & cfg)   { return parse_choice(val, "on", "off", cfg.renorm); }
 static bool spec_key_light(const std::string & val, llama_expert_cache_config & cfg)    { return parse_choice(val, "host", "substitute", cfg.light_host); }
 static bool spec_key_prefetch(const std::string & val, llama_expert_cache_config & cfg) { return parse_choice(val, "on", "off", cfg.prefetch); }
@@ -364,6 +369,11 @@ static bool parse_path(const std::string & val, std::string & out) {
 static bool spec_key_profile(const std::string & val, llama_expert_cache_config & cfg)     { return parse_path(val, cfg.profile); }
 static bool spec_key_profile_out(const std::string & val, llama_expert_cache_config & cfg) { return parse_path(val, cfg.profile_out); }
 static bool spec_key_stats(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.stats); }
+
+static bool spec_key_profile_every(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, UINT32_MAX, v) && (cfg.profile_every = (uint32_t) v, true);
+}
 static bool spec_key_trace(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.trace); }
 
 static bool spec_key_trace_top(const std::string & val, llama_expert_cache_config & cfg) {
@@ -534,6 +544,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             ") must be below hi (" + std::to_string(cfg.band_hi) + ")";
         return false;
     }
+    if (rule == LLAMA_EXPERT_MISS_BAND && cfg.band_max_rank >= 0 && cfg.band_min_rank > cfg.band_max_rank) {
+        err = "rule=band substitutes at the ranks in [min_rank, max_rank]: min_rank (" + std::to_string(cfg.band_min_rank) +
+            ") must not be above max_rank (" + std::to_string(cfg.band_max_rank) + ")";
+        return false;
+    }
     for (const auto & [key, val] : kv) {
         if (key_of_another_rule(key, rule, err)) {
             return false;
@@ -571,6 +586,10 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             // not an error (scripts switch the mode of a spec on and off), but said when the context is made
             cfg.off_ignored += (cfg.off_ignored.empty() ? "" : ", ") + shown(key);
         }
+    }
+    if (cfg.profile_every > 0 && cfg.profile_out.empty() && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
+        err = "profile_every= writes the profile_out= file during the run: it needs profile_out=";
+        return false;
     }
     if (cfg.ram > 0 && cfg.vram > 0) {
         err = "ram= and vram= are two budgets for the same banks: give one (vram= where the banks are on a GPU)";
@@ -622,6 +641,10 @@ bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, in
     if (cfg.rule == LLAMA_EXPERT_MISS_BAND && cfg.band_min_rank > k) {
         return bad_value(err, "min_rank", std::to_string(cfg.band_min_rank), ("a rank in [0, " + ks + "], the experts used per token").c_str());
     }
+    if (cfg.rule == LLAMA_EXPERT_MISS_BAND && cfg.band_max_rank >= k) {
+        return bad_value(err, "max_rank", std::to_string(cfg.band_max_rank),
+            ("a rank in [0, " + std::to_string(k - 1) + "], below the experts used per token (" + ks + ")").c_str());
+    }
     if (cfg.rule == LLAMA_EXPERT_MISS_SER && cfg.ser_kmin > k) {
         return bad_value(err, "kmin", std::to_string(cfg.ser_kmin), ("a number of ranks in [1, " + ks + "], the experts used per token").c_str());
     }
@@ -668,6 +691,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     p.band_lo            = cfg.band_lo;
     p.band_hi            = cfg.band_hi;
     p.band_min_rank      = cfg.band_min_rank;
+    p.band_max_rank      = cfg.band_max_rank;
     p.renorm             = cfg.renorm;
     p.light_host         = cfg.light_host;
     p.prefetch           = cfg.prefetch;

@@ -33,6 +33,7 @@
     X(lo,           "the band's lowest gate weight in [0, 1]") \
     X(hi,           "the band's upper gate weight bound in [0, 1] (1: none)") \
     X(min_rank,     "the first rank the band substitutes at, in [0, k] (0: any rank; 1: never the first choice)") \
+    X(max_rank,     "the last rank the band substitutes at, in [0, k-1], not below min_rank (0: only the first choice)") \
     X(renorm,       "on (rescale the computed experts to the weight sum of all k) or off") \
     X(light,        "substitute (a resident expert computes instead) or host (the host computes the missed expert)") \
     X(evict,        "lfu, lru, classlru") \
@@ -54,6 +55,7 @@
     X(prefetch,     "on (admit the experts the next MoE layer's router predicts, in the background) or off") \
     X(profile,      "a file path") \
     X(profile_out,  "a file path") \
+    X(profile_every, "a number of tokens, 0 for only at the end") \
     X(stats,        "a file path") \
     X(trace,        "a file path") \
     X(trace_top,    "a count of router probabilities per token and layer")
@@ -114,6 +116,7 @@ struct llama_expert_cache_config {
     float   band_lo       = 0.0f;
     float   band_hi       = 1.0f;
     int32_t band_min_rank = 0; // ranks below it are fetched on a miss (1: the first choice is never substituted)
+    int32_t band_max_rank = -1; // ranks above it are fetched on a miss (0: only a first choice is substituted); -1: none
 
     // rules that drop (drop, zero, ser): rescale the computed selections to the weight sum of all k (renorm=on)
     bool renorm = false;
@@ -168,6 +171,7 @@ struct llama_expert_cache_config {
 
     std::string profile;     // initial residency from a profile file (see profile_out)
     std::string profile_out; // write per-layer expert selection counts at the end
+    uint32_t    profile_every = 0; // and every that many tokens during the run (0: only at the end)
     std::string stats;       // write statistics as JSON at the end
     std::string trace;       // write a binary router trace
     uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
@@ -202,6 +206,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     X(band_lo,            FLOAT, cfg.band_lo) \
     X(band_hi,            FLOAT, cfg.band_hi) \
     X(band_min_rank,      INT,   cfg.band_min_rank) \
+    X(band_max_rank,      INT,   cfg.band_max_rank >= 0 ? cfg.band_max_rank : k - 1) \
     X(renorm,             BOOL,  cfg.renorm) \
     X(light,              NAME,  cfg.light_host ? "host" : "substitute") \
     X(prefetch,           BOOL,  cfg.prefetch) \
@@ -228,7 +233,7 @@ int32_t llama_expert_cache_config_n_slots(const llama_expert_cache_config & cfg,
 int32_t llama_expert_cache_config_n_ram_slots(const llama_expert_cache_config & cfg, int32_t n_expert);
 
 // The checks that need the model's experts per token k and experts per layer: j <= k, k <= m <= n_expert,
-// kmin <= k. Returns false and sets err (one line naming the key and the accepted range) on error.
+// kmin <= k, min_rank <= k, max_rank < k. Returns false and sets err (one line naming the key and the accepted range) on error.
 bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, int32_t k, int32_t n_expert, std::string & err);
 
 // Whether the rule can change the gate weights the expert ops use (drops, skips, alpha, renorm): the route step

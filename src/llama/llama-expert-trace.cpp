@@ -10,7 +10,8 @@
 // header: 64 bytes, little-endian
 //   char     magic[8]  = "MOETRACE"
 //   uint32   version, header_size (64), n_layer, n_expert, k, top_m, record_size, n_slots
-//   uint32   reserved[6] = 0
+//   uint64   model fingerprint (llama-expert-fingerprint.h; 0: none)
+//   uint32   reserved[4] = 0
 // record (record_size bytes), one per token and MoE layer, in the order decided:
 //   uint32   layer, token (index within the layer since the start, or the last reset)
 //   int32    ids[k]        selected experts, rank order
@@ -31,7 +32,7 @@ void llama_expert_cache_impl::trace_open() {
     trace_rsize = 8 + 12*k + ((k + 3) & ~3u) + 8*trace_top + 4*k;
     uint32_t hdr[14] = {
         LLAMA_EXPERT_TRACE_VERSION, 64, (uint32_t) n_layer, (uint32_t) n_expert, k, trace_top, trace_rsize,
-        (uint32_t) n_slots, 0, 0, 0, 0, 0, 0,
+        (uint32_t) n_slots, (uint32_t) trace_fingerprint, (uint32_t) (trace_fingerprint >> 32), 0, 0, 0, 0,
     };
     fwrite("MOETRACE", 1, 8, trace);
     fwrite(hdr, sizeof(hdr), 1, trace);

@@ -505,6 +505,76 @@ static void test_band_min_rank() {
     CHECK(p.stats.substitutions == 1 && p.stats.subst_first_choice == 0 && p.stats.fetches == 3);
 }
 
+// rule=band with max_rank=M (issue 22): a miss at a rank above max_rank is fetched whatever its weight, so that the
+// study's light first choices (`rule=band,hi=H,max_rank=0`) substitute nothing but first choices; with min_rank, the
+// band substitutes at the ranks in [min_rank, max_rank]
+static void test_band_max_rank() {
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("rule=band", cfg, err) && cfg.band_max_rank == -1);
+    CHECK(llama_expert_cache_config_parse("rule=band,hi=0.15,max_rank=0", cfg, err) && cfg.band_max_rank == 0);
+    CHECK(llama_expert_cache_config_parse("rule=band,min_rank=1,max_rank=1", cfg, err) && cfg.band_min_rank == 1 &&
+          cfg.band_max_rank == 1);
+    CHECK(!llama_expert_cache_config_parse("rule=band,min_rank=2,max_rank=1", cfg, err) &&
+          err == "rule=band substitutes at the ranks in [min_rank, max_rank]: min_rank (2) must not be above max_rank (1)");
+    CHECK(!llama_expert_cache_config_parse("rule=threshold,max_rank=0", cfg, err) &&
+          err == "max_rank applies to rule=band, not to rule=threshold: remove max_rank, or use rule=band");
+    CHECK(!llama_expert_cache_config_parse("rule=band,max_rank=-1", cfg, err) && err.find("for key 'max_rank'") != std::string::npos);
+    CHECK(llama_expert_cache_config_parse("rule=band,max_rank=3", cfg, err) && llama_expert_cache_config_check_k(cfg, 4, 16, err));
+    CHECK(llama_expert_cache_config_parse("rule=band,max_rank=4", cfg, err) && !llama_expert_cache_config_check_k(cfg, 4, 16, err) &&
+          err.find("bad value '4' for key 'max_rank' (accepted: a rank in [0, 3], below the experts used per token (4)") == 0);
+    CHECK(llama_expert_cache_config_parse("rule=fetch-all", cfg, err) && llama_expert_cache_config_check_k(cfg, 4, 16, err));
+
+    // the verdicts at ranks 0, 1 and k-1 (k = 4), in the band (w = 0.1) and outside it (w = 0.5)
+    const llama_expert_rule & row = llama_expert_rule_of(LLAMA_EXPERT_MISS_BAND);
+    CHECK(llama_expert_rule_owns(row, "max_rank") && llama_expert_rule_owns(row, "min_rank"));
+    const auto verdict = [&](const char * spec, int32_t rank, float w) {
+        return llama_expert_rule_verdict(row, rank, w, false, llama_expert_cache_config_params(cfg_of(spec)));
+    };
+    const llama_expert_verdict S = LLAMA_EXPERT_VERDICT_SUBSTITUTE, F = LLAMA_EXPERT_VERDICT_FETCH;
+    // max_rank=0: the first choice only
+    CHECK(verdict("rule=band,hi=0.15,max_rank=0", 0, 0.1f) == S);
+    CHECK(verdict("rule=band,hi=0.15,max_rank=0", 1, 0.1f) == F);
+    CHECK(verdict("rule=band,hi=0.15,max_rank=0", 3, 0.1f) == F);
+    CHECK(verdict("rule=band,hi=0.15,max_rank=0", 0, 0.5f) == F);
+    // max_rank=1: ranks 0 and 1
+    CHECK(verdict("rule=band,hi=0.15,max_rank=1", 0, 0.1f) == S);
+    CHECK(verdict("rule=band,hi=0.15,max_rank=1", 1, 0.1f) == S);
+    CHECK(verdict("rule=band,hi=0.15,max_rank=1", 3, 0.1f) == F);
+    CHECK(verdict("rule=band,hi=0.15,max_rank=1", 1, 0.5f) == F);
+    // min_rank=1,max_rank=1: rank 1 only; no max_rank: every rank from min_rank
+    CHECK(verdict("rule=band,hi=0.15,min_rank=1,max_rank=1", 0, 0.1f) == F);
+    CHECK(verdict("rule=band,hi=0.15,min_rank=1,max_rank=1", 1, 0.1f) == S);
+    CHECK(verdict("rule=band,hi=0.15,min_rank=1,max_rank=1", 3, 0.1f) == F);
+    CHECK(verdict("rule=band,hi=0.15", 3, 0.1f) == S);
+    // every first-choice miss, whatever its weight
+    CHECK(verdict("rule=band,lo=0,hi=1,max_rank=0", 0, 1.0f) == S && verdict("rule=band,lo=0,hi=1,max_rank=0", 0, 0.0f) == S);
+    CHECK(verdict("rule=band,lo=0,hi=1,max_rank=0", 1, 0.5f) == F);
+
+    // the start-up log's line and the statistics' config block (no max_rank: the last rank, k - 1)
+    CHECK(llama_expert_rule_describe(row, llama_expert_cache_config_params(cfg_of("rule=band,hi=0.15,max_rank=0")), 4, 16) ==
+          "band: misses with gate weight in [0.000, 0.150000) substituted at rank 0 only, the others fetched");
+    CHECK(llama_expert_rule_describe(row, llama_expert_cache_config_params(cfg_of("rule=band,max_rank=2")), 4, 16) ==
+          "band: misses with gate weight in [0.000, 1]) substituted at ranks <= 2, the others fetched");
+    CHECK(llama_expert_rule_describe(row, llama_expert_cache_config_params(cfg_of("rule=band,lo=0.15,min_rank=1,max_rank=2")), 4, 16) ==
+          "band: misses with gate weight in [0.150, 1]) substituted at ranks 1 to 2, the others fetched");
+    CHECK(llama_expert_cache_config_json(cfg_of("rule=band,max_rank=0"), 16, 4, 8, "").find("\"band_max_rank\": 0,\n") != std::string::npos);
+    CHECK(llama_expert_cache_config_json(cfg_of("rule=band,min_rank=1"), 16, 4, 8, "").find(
+          "\"band_min_rank\": 1,\n\"band_max_rank\": 3,\n") != std::string::npos);
+
+    // a token whose four misses all lie in the band [0, 0.4), max_rank=0: rank 0 substituted, ranks 1 to 3 fetched
+    std::vector<float> scores(16, 0.0f);
+    scores[5] = 2.0f; scores[6] = 1.0f;
+    const std::vector<int32_t> ids = { 10, 11, 12, 13 };
+    const std::vector<float>   w   = { 0.3f, 0.3f, 0.15f, 0.05f };
+    llama_expert_layer_policy p;
+    p.init(16, 8, cfg_of("rule=band,hi=0.4,max_rank=0,evict=lru,slots=8"));
+    auto r = step(p, ids, w, scores);
+    CHECK(r.act[0] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.out[0] == 5);
+    CHECK(r.act[1] == LLAMA_EXPERT_ACTION_FETCH && r.act[2] == LLAMA_EXPERT_ACTION_FETCH && r.act[3] == LLAMA_EXPERT_ACTION_FETCH);
+    CHECK(p.stats.substitutions == 1 && p.stats.subst_first_choice == 1 && p.stats.fetches == 3);
+}
+
 // the rule table: a row per enum value, in enum order, names unique; the spec's rule list is the table's
 static void test_rule_table() {
     CHECK(LLAMA_EXPERT_N_RULES == LLAMA_EXPERT_MISS_BAND + 1);
@@ -551,7 +621,7 @@ static void test_budget() {
     err.clear();
     CHECK(llama_expert_budget_slots(b, err) == 64 && err.empty()); // 82 fit, at most n_expert
     CHECK(llama_expert_budget_plan_line(b, 64) == "expert cache plan: vram=1073741824 weights=524288000 context=104857600 "
-          "reserve=268435456 per_slot=2097152 banks=6 n_expert=64 k=8 slots=64");
+          "reserve=268435456 readers=0 baseline=0 per_slot=2097152 banks=6 n_expert=64 k=8 slots=64");
     b.n_expert = 128;
     CHECK(llama_expert_budget_slots(b, err) == 82); // (1024 - 858 MiB - 3 KiB) / 2 MiB = 82.99
     b.budget = b.minimum() - 1;
@@ -1055,6 +1125,7 @@ int main() {
     test_ser();
     test_band();
     test_band_min_rank();
+    test_band_max_rank();
     test_rule_table();
     test_budget();
     test_light_host();

@@ -14,6 +14,7 @@
 // by logit, the trace holds probabilities: the same order, unless two probabilities round to the same float.)
 
 #include "llama-expert-cache-impl.h"
+#include "llama-expert-fingerprint.h"
 #include "llama-expert-policy.h"
 #include "llama-expert-paths.h"
 
@@ -46,6 +47,7 @@ struct moe_sim_trace {
     uint32_t top_m       = 0;
     uint32_t record_size = 0;
     uint32_t n_slots     = 0; // of the recorded run
+    uint64_t fingerprint = 0; // of the model it was recorded on (llama-expert-fingerprint.h); 0: none (older traces)
 
     // the records, 4-byte aligned (every field is 4 bytes wide, the action bytes are padded to 4)
     std::vector<uint32_t> data;
@@ -103,6 +105,7 @@ static bool moe_sim_trace_read(const std::string & path, moe_sim_trace & tr, std
     tr.top_m       = h[5];
     tr.record_size = h[6];
     tr.n_slots     = h[7];
+    tr.fingerprint = (uint64_t) h[8] | ((uint64_t) h[9] << 32);
     if (tr.version < 1 || tr.version > LLAMA_EXPERT_TRACE_VERSION || hsize != MOE_SIM_TRACE_HEADER_SIZE) {
         std::fclose(f);
         return moe_sim_fail(err, "'" + path + "': trace version " + std::to_string(tr.version) + " (header " +
@@ -343,6 +346,9 @@ static void moe_sim_usage(const char * argv0) {
         "                     (default: \"policy=fetch-all\"); profile=, profile_out= and stats= apply,\n"
         "                     trace= is ignored (the trace is the input); prefetch=on replays the trace's\n"
         "                     predictions (version 2: every trace records them)\n"
+        "  -m, --model FILE   the model the trace should have been recorded on: a trace of another model (its\n"
+        "                     fingerprint differs) is refused; one without a fingerprint (older traces) is\n"
+        "                     replayed with a warning\n"
         "  -o, --stats FILE   write the statistics JSON to FILE (default: the spec's stats=, else stdout)\n"
         "  -j, --threads N    threads; MoE layers are replayed in parallel (default: the CPUs, at most the\n"
         "                     MoE layers)\n"
@@ -362,6 +368,7 @@ int main(int argc, char ** argv) {
     std::string trace_path;
     std::string spec = "policy=fetch-all";
     std::string stats_path;
+    std::string model_path;
     int         repeat = 1;
     int         n_threads = 0;
     bool        verify = false;
@@ -380,6 +387,8 @@ int main(int argc, char ** argv) {
             trace_path = next("a file");
         } else if (a == "-s" || a == "--spec") {
             spec = next("a cache spec");
+        } else if (a == "-m" || a == "--model") {
+            model_path = next("a file");
         } else if (a == "-o" || a == "--stats") {
             stats_path = next("a file");
         } else if (a == "--repeat") {
@@ -431,11 +440,30 @@ int main(int argc, char ** argv) {
         n_moe += n > 0;
     }
 
+    if (!model_path.empty()) {
+        // a trace of another model would replay another model's routing: refused before anything else
+        uint64_t fp = 0;
+        if (!llama_expert_fingerprint_of_file(model_path, fp, err)) {
+            std::fprintf(stderr, "llama-moe-sim: error: --model: %s\n", err.c_str());
+            return 1;
+        }
+        if (tr.fingerprint == 0) {
+            std::fprintf(stderr, "llama-moe-sim: warning: the trace '%s' carries no fingerprint of the model it was "
+                "recorded on (an older trace): that it was recorded on '%s' is not checked\n", trace_path.c_str(),
+                model_path.c_str());
+        } else if (tr.fingerprint != fp) {
+            std::fprintf(stderr, "llama-moe-sim: error: the trace '%s' was recorded on another model than '%s' (model "
+                "fingerprint %016llx in the trace, %016llx of this model): pass the model the trace was recorded with\n",
+                trace_path.c_str(), model_path.c_str(), (unsigned long long) tr.fingerprint, (unsigned long long) fp);
+            return 1;
+        }
+    }
+
     if (info) {
         std::printf("trace %s: version %u, n_layer %u, n_expert %u, k %u, top_m %u, record %u bytes, "
-                    "recorded with %u slots, %zu records, %d MoE layers\n",
+                    "recorded with %u slots, %zu records, %d MoE layers, model fingerprint %016llx\n",
                     trace_path.c_str(), tr.version, tr.n_layer, tr.n_expert, tr.k, tr.top_m, tr.record_size,
-                    tr.n_slots, tr.n_records, n_moe);
+                    tr.n_slots, tr.n_records, n_moe, (unsigned long long) tr.fingerprint);
         for (uint32_t il = 0; il < tr.n_layer; ++il) {
             if (tr.layer_records[il] > 0) {
                 std::printf("layer %u: %llu tokens\n", il, (unsigned long long) tr.layer_records[il]);

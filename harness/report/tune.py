@@ -1,0 +1,105 @@
+"""Renderers of `harness tune`'s result: the summary (the choice against the presets) and report.md."""
+
+from __future__ import annotations
+
+from harness.domain.tune import CheckRow, TuneResult, residency_label
+
+
+def _delta(r: CheckRow) -> str:
+    if r.exact:
+        return "0 (exact: nothing substituted or dropped)"
+    if r.delta is None:
+        return "n/a" + (f" ({r.note})" if r.note else "")
+    d = r.delta
+    return f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]"
+
+
+def _measured(r: CheckRow) -> str:
+    m = r.measured
+    if m is None:
+        return "-"
+    if m.n < 2:
+        return f"{m.mean:.1f} (1 run)"
+    return f"{m.mean:.1f} ± {m.high - m.mean:.1f}"
+
+
+def summary_lines(res: TuneResult) -> list[str]:
+    """The choice against the presets per residency: estimated speed, measured delta-PPL, measured speed."""
+    o = res.opts
+    lines = [f"## harness tune: {res.identity.file_name}, delta-PPL at most +{o.max_delta_pct:g}%", "",
+             f"Tier the misses come from: `host={res.host}`. Estimated t/s: the simulator's counters on the cost "
+             "model with this machine's measured rates (an ESTIMATE, not a measurement). delta-PPL: emulate mode, "
+             "paired against the full model on the same tokens, 95% block-bootstrap CI over chunks; the bound holds "
+             f"on the {'95% CI upper end (--strict)' if o.strict else 'point estimate'}."
+             + (" Measured t/s: llama-bench decode with the engine, mean ± 95% CI half-width over the runs."
+                if o.measure else " Measured t/s: not run (`--measure`)."), ""]
+    for ch in res.choices:
+        lines += [f"### Residency {ch.residency} ({ch.slots} of {ch.n_expert} experts per layer)", "",
+                  "| configuration | policy | est. t/s | est. vs fetch-all | delta-PPL [95% CI] | within bound | "
+                  "measured t/s |",
+                  "|---|---|---:|---:|---|---|---:|"]
+        fa = ch.est_fetch_all_tokens_per_s
+        for r in res.rows:
+            if r.fraction != ch.fraction or r.role not in ("chosen", "quality", "speed", "fetch-all"):
+                continue
+            name = "**tuned**" if r.role == "chosen" else r.role
+            lines.append(f"| {name} | `{r.policy}` | {r.est_tps:.1f} | {r.est_tps / fa:.2f}x | {_delta(r)} | "
+                         f"{'yes' if r.passes else 'no'} | {_measured(r)} |")
+        lines += ["", f"Run it: `--moe-cache {ch.spec}`", ""]
+    if res.profile_path is not None:
+        lines.append(f"Profile: `{res.profile_path}` (`--moe-cache auto` reads it; docs/expert-cache.md, "
+                     "\"Tuned profile\").")
+    lines.append(f"{res.n_simulated} configurations replayed, "
+                 f"{sum(1 for r in res.rows if not r.exact)} emulate runs; {res.wall_s:.0f} s in all.")
+    return lines
+
+
+def render_tune_markdown(res: TuneResult) -> str:
+    o = res.opts
+    m = res.machine
+    lines = [f"# harness tune: {res.identity.file_name}", "",
+             f"Model: {res.identity.name}, {res.identity.file_bytes} bytes, fingerprint {res.identity.fingerprint}, "
+             f"{res.identity.n_moe_layers} MoE layers of {res.identity.n_expert} experts, "
+             f"{res.identity.n_expert_used} per token. Text: {o.text}, {o.chunks or 'all'} chunks of {o.n_ctx}.", ""]
+    lines += summary_lines(res)[2:]
+    lines += ["", "## This machine", "",
+              "| fact | value |", "|---|---|",
+              f"| CPUs | {m.cpus} |",
+              f"| memory | {m.mem_total / 2**30:.1f} GiB, {m.mem_available / 2**30:.1f} GiB available |",
+              f"| GPUs | {', '.join(m.gpus) or 'none'} |"]
+    if m.disk_readers:
+        lines.append(f"| disk (the model file) | {m.disk_gbs:.3f} GB/s: {m.disk_expert_us:.1f} us per expert of "
+                     f"{m.disk_expert_bytes} B, reads of {m.disk_read_bytes} B, {m.disk_readers} readers, "
+                     f"{'O_DIRECT' if m.disk_direct else 'buffered'} |")
+    lines.append(f"| host memory copy | {m.host_copy_gbs:.2f} GB/s |")
+    if m.compute_ms_per_token is not None:
+        lines.append(f"| decode in memory, cache off | {m.compute_ms_per_token:.3f} ms per token |")
+    p = res.cost_profile
+    lines += ["", "The cost model's constants (`harness.domain.costmodel`):", "",
+              "| constant | value | from |", "|---|---:|---|"]
+    for key in ("vram_bw_gbs", "h2d_bw_gbs", "fetch_latency_us", "layer_roundtrip_us", "layer_fixed_us",
+                "cpu_bw_gbs"):
+        source = res.cost_sources.get(key, f"the base profile ({o.base_profile})")
+        lines.append(f"| {key} | {getattr(p, key):.4g} | {source} |")
+    lines += ["", "## The search", "",
+              "Per rung (the miss rule and its threshold), of the speed knobs (admission, eviction, prefetch) within "
+              "1% of its fastest estimate, those that lose the least gate weight; per chain the most aggressive rung "
+              "within the bound by bisection; then the fastest estimate at or below the boundaries. Rows run in "
+              "emulate mode:", "",
+              "| residency | role | configuration | est. t/s | delta-PPL [95% CI] | within bound |",
+              "|---|---|---|---:|---|---|"]
+    for r in res.rows:
+        lines.append(f"| {residency_label(r.fraction)} | {r.role} | `{r.name}` | {r.est_tps:.1f} | {_delta(r)} | "
+                     f"{'yes' if r.passes else 'no'} |")
+    lines += ["", "Each rung's best speed knobs (the simulator; lost mass: gate weight substituted or dropped per "
+              "token-layer):", "",
+              "| residency | chain | configuration | est. t/s | fetches/token | background/token | lost mass | "
+              "hit rate |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for s in res.frontier:
+        c = s.candidate
+        lines.append(f"| {residency_label(c.fraction)} | {c.rung.chain or 'both'} | `{c.name}` | {s.est_tps:.1f} | "
+                     f"{s.fetches:.3f} | {s.background:.3f} | {s.lost_mass:.4f} | {s.hit_rate:.3f} |")
+    if res.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in res.notes]
+    lines += ["", f"Records: `{res.results_path}` (the runs), `sim.jsonl` (every replay's counters)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,252 @@
+#include "llama-expert-auto.h"
+
+#include "llama-expert-budget.h"
+#include "llama-expert-machine.h"
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+
+static std::string auto_format(const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    char buf[2048];
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    return buf;
+}
+
+static const double MiB = 1024.0*1024.0;
+
+static uint64_t auto_margin(uint64_t bytes) {
+    return bytes / 100 * LLAMA_EXPERT_AUTO_MARGIN_PCT;
+}
+
+static std::string auto_mib(uint64_t bytes) {
+    return std::to_string(bytes >> 20) + "M"; // whole MiB, rounded down: as a user writes a size
+}
+
+std::string llama_expert_auto_plan::spec() const {
+    if (off) {
+        return "mode=off";
+    }
+    std::string s;
+    for (const auto & kv : keys) {
+        s += (s.empty() ? "" : ",") + kv.first + "=" + kv.second;
+    }
+    return s;
+}
+
+static llama_expert_auto_plan auto_off(const std::string & why) {
+    llama_expert_auto_plan p;
+    p.why = why;
+    return p;
+}
+
+static llama_expert_auto_plan auto_error(const std::string & err) {
+    llama_expert_auto_plan p;
+    p.err = err;
+    return p;
+}
+
+llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & m, uint64_t usable,
+        const std::string & facts, uint64_t reserve, int32_t readers, const std::string & policy_in,
+        bool policy_given) {
+    const std::string policy = policy_in.empty() ? "quality" : policy_in;
+    const std::string policy_why = policy_in.empty() ? "policy quality (no tuned profile)" :
+        "policy " + policy + (policy_given ? " (given)" : " (the tuned profile's)");
+    if (m.n_expert <= 0 || m.k <= 0 || m.per_slot == 0) {
+        return auto_off("the model has no routed experts: the cache has nothing to hold");
+    }
+
+    // what the process holds in RAM with the cache off: every weight in host memory (mmap: its pages), the context,
+    // the compute buffers and the runtime; a GPU holds the rest
+    const uint64_t host_weights = m.gpu ? (m.weights > m.dev_weights ? m.weights - m.dev_weights : 0) : m.weights;
+    const uint64_t host_context = m.gpu ? (m.context > m.dev_context ? m.context - m.dev_context : 0) : m.context;
+    const uint64_t stock_ram    = host_weights + (m.experts_host ? m.experts : 0) + host_context +
+                                  (m.gpu ? 0 : reserve) + LLAMA_EXPERT_RUNTIME_BASELINE;
+    const bool     known        = usable != UINT64_MAX;
+    const uint64_t room         = known ? usable - auto_margin(usable) : UINT64_MAX;
+    const bool     fits_ram     = stock_ram <= room;
+    const std::string ram_facts = known ? auto_format("%.1f MiB this process may use less a %d%% margin (%s)",
+        room/MiB, LLAMA_EXPERT_AUTO_MARGIN_PCT, facts.c_str()) : "no memory facts (" + facts + ")";
+
+    // the file tier's requirements: the experts read from the model file, in their plain layout
+    auto file_tier_refusal = [&](const char * what) -> std::string {
+        if (m.repacked) {
+            return auto_format("auto: %s needs the file tier, whose experts must be in their plain layout, but they "
+                "were repacked for the CPU: add --no-repack (-nr)", what);
+        }
+        if (!m.mapped) {
+            return auto_format("auto: %s needs the file tier, which reads the experts from the model file, but the "
+                "model was loaded without mmap: load it with mmap (drop --no-mmap, or --load-mode none)", what);
+        }
+        return "";
+    };
+
+    if (!m.gpu) {
+        if (fits_ram) {
+            return auto_off(auto_format("the model (%.1f MiB with its context, compute reserve and runtime) fits in "
+                "the %s: stock is as fast", stock_ram/MiB, ram_facts.c_str()));
+        }
+        const std::string what = auto_format("the model (%.1f MiB with its context, compute reserve and runtime) is "
+            "more than the %s, so it", stock_ram/MiB, ram_facts.c_str());
+        const std::string refusal = file_tier_refusal(what.c_str());
+        if (!refusal.empty()) {
+            return auto_error(refusal);
+        }
+        llama_expert_budget b;
+        b.ram      = true;
+        b.budget   = room >> 20 << 20;
+        b.weights  = m.weights;
+        b.context  = m.context;
+        b.reserve  = reserve;
+        b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
+        b.baseline = LLAMA_EXPERT_RUNTIME_BASELINE;
+        b.per_slot = m.per_slot;
+        b.n_banks  = m.n_banks;
+        b.n_expert = m.n_expert;
+        b.k        = m.k;
+        std::string err;
+        const int32_t n = llama_expert_budget_slots(b, err);
+        if (n < 0) {
+            return auto_error(auto_format("auto: %s needs the file tier, and even that needs at least %.0f MiB (%d "
+                "experts per layer resident): free memory, raise the memory limit, or lower the context size",
+                what.c_str(), b.minimum()/MiB + 1, m.k));
+        }
+        llama_expert_auto_plan p;
+        p.off   = false;
+        p.slots = n;
+        p.keys  = { {"mode", "engine"}, {"policy", policy}, {"host", "file"}, {"ram", auto_mib(b.budget)} };
+        p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM, the rest read "
+            "from the model file; %s", what.c_str(), n, m.n_expert, policy_why.c_str());
+        return p;
+    }
+
+    // a GPU holds the MoE layers
+    if (!m.experts_host) {
+        return auto_off("the routed experts are on the GPU with the rest of the model: stock is as fast");
+    }
+    // the VRAM cache: the device's room (its free memory and what of ours it holds) less the margin
+    const uint64_t dev_room = m.dev_free + m.dev_weights + m.dev_context;
+    llama_expert_budget v;
+    v.budget   = (dev_room - auto_margin(dev_room)) >> 20 << 20;
+    v.weights  = m.dev_weights;
+    v.context  = m.dev_context;
+    v.reserve  = reserve;
+    v.per_slot = m.per_slot;
+    v.n_banks  = m.n_banks;
+    v.n_expert = m.n_expert;
+    v.k        = m.k;
+    std::string err;
+    const int32_t n = llama_expert_budget_slots(v, err);
+    if (n < 0) {
+        return auto_off(auto_format("the GPU has room for fewer than the %d experts per layer used per token (%.1f MiB "
+            "free, the cache needs %.0f MiB): the cache cannot help, the experts stay where stock puts them", m.k,
+            m.dev_free/MiB, v.minimum()/MiB + 1));
+    }
+    llama_expert_auto_plan p;
+    p.off   = false;
+    p.slots = n;
+    p.keys  = { {"mode", "engine"}, {"policy", policy}, {"vram", auto_mib(v.budget)} };
+    if (fits_ram) {
+        p.why = auto_format("the experts are in host memory (%.1f MiB, which fits in the %s): the VRAM cache, %d of %d "
+            "experts per layer on the GPU (vram= from %.1f MiB of room less a %d%% margin); %s", m.experts/MiB,
+            ram_facts.c_str(), n, m.n_expert, dev_room/MiB, LLAMA_EXPERT_AUTO_MARGIN_PCT, policy_why.c_str());
+        return p;
+    }
+    // three tiers: the slots on the GPU, a RAM tier in what RAM holds, the rest read from the file
+    const std::string what = auto_format("the model's host part (%.1f MiB with its context and runtime) is more than "
+        "the %s, so it", stock_ram/MiB, ram_facts.c_str());
+    const std::string refusal = file_tier_refusal(what.c_str());
+    if (!refusal.empty()) {
+        return auto_error(refusal);
+    }
+    const uint64_t readers_b = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
+    const uint64_t own = host_weights + host_context + readers_b + LLAMA_EXPERT_RUNTIME_BASELINE;
+    const int64_t n_ram = room > own ? (int64_t) std::min<uint64_t>((room - own) / m.per_slot, (uint64_t) m.n_expert) : 0;
+    if (n_ram < m.k) {
+        return auto_error(auto_format("auto: %s needs three tiers, and RAM has room for fewer than the %d experts per "
+            "layer used per token: free memory or raise the memory limit", what.c_str(), m.k));
+    }
+    p.keys.emplace_back("host", "file");
+    p.keys.emplace_back("ram_slots", std::to_string(n_ram));
+    p.why = auto_format("%s runs from three tiers: %d of %d experts per layer on the GPU, %d in RAM, the rest read from "
+        "the model file; %s", what.c_str(), n, m.n_expert, (int) n_ram, policy_why.c_str());
+    return p;
+}
+
+bool llama_expert_auto_requested(const std::string & spec, std::string & rest) {
+    size_t b = 0;
+    while (b < spec.size() && (spec[b] == ' ' || spec[b] == '\t')) {
+        b++;
+    }
+    if (spec.compare(b, 4, "auto") != 0) {
+        return false;
+    }
+    size_t e = b + 4;
+    while (e < spec.size() && (spec[e] == ' ' || spec[e] == '\t')) {
+        e++;
+    }
+    if (e == spec.size()) {
+        rest.clear();
+        return true;
+    }
+    if (spec[e] != ',') {
+        return false;
+    }
+    rest = spec.substr(e + 1);
+    return true;
+}
+
+static std::string auto_key_of(const std::string & item) {
+    std::string k = item.substr(0, item.find('='));
+    while (!k.empty() && (k.front() == ' ' || k.front() == '\t')) { k.erase(k.begin()); }
+    while (!k.empty() && (k.back() == ' ' || k.back() == '\t'))   { k.pop_back(); }
+    return k;
+}
+
+static std::vector<std::string> auto_items(const std::string & rest) {
+    std::vector<std::string> items;
+    size_t pos = 0;
+    while (!rest.empty() && pos <= rest.size()) {
+        size_t end = rest.find(',', pos);
+        if (end == std::string::npos) {
+            end = rest.size();
+        }
+        items.push_back(rest.substr(pos, end - pos));
+        pos = end + 1;
+    }
+    return items;
+}
+
+bool llama_expert_auto_user_gives(const std::string & rest, const std::string & key) {
+    for (const auto & u : auto_items(rest)) {
+        if (auto_key_of(u) == key) {
+            return true;
+        }
+    }
+    return false;
+}
+
+std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const std::string & rest) {
+    const std::vector<std::string> user = auto_items(rest);
+    if (plan.off) {
+        return rest.empty() ? "mode=off" : "mode=off," + rest;
+    }
+    std::string s;
+    for (const auto & kv : plan.keys) {
+        if (!llama_expert_auto_user_gives(rest, kv.first)) {
+            s += (s.empty() ? "" : ",") + kv.first + "=" + kv.second;
+        }
+    }
+    for (const auto & u : user) {
+        s += (s.empty() ? "" : ",") + u;
+    }
+    return s;
+}
+
+std::string llama_expert_auto_tuned_policy(const std::string & model_path) {
+    (void) model_path; // issue 24 item 2 (harness tune) will write the profile this reads
+    return "";
+}

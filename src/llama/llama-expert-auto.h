@@ -1,0 +1,71 @@
+#pragma once
+
+// `--moe-cache auto` (LLAMA_MOE_CACHE=auto): the cache's plan chosen from the model and the machine (moe-subst, issue
+// 24). The decision is a pure function of two sets of facts, the model's (sizes, where its experts are, mmap, repack)
+// and the machine's (what the process may use: llama-expert-machine.h; a GPU's free memory), so that
+// tests/cpp/test_expert_auto.cpp feeds fake facts and checks the plans. The engine gathers the facts
+// (llama_expert_engine_auto_facts) and the cache logs the plan in one line with why (llama-expert-cache.cpp).
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+// the margin auto leaves of what the process may use (RAM) and of a device's room (VRAM), in percent: for the page
+// cache the file tier reads through, other processes, and the estimate's own error
+#define LLAMA_EXPERT_AUTO_MARGIN_PCT 10
+
+// The model's facts at context creation (bytes).
+struct llama_expert_auto_model {
+    int32_t  n_expert = 0;   // routed experts per layer (0: not a MoE model)
+    int32_t  k        = 0;   // experts used per token
+    uint64_t weights  = 0;   // every weight but the routed experts, wherever it is
+    uint64_t experts  = 0;   // the routed experts, all layers
+    uint64_t context  = 0;   // the context's memory (KV cache), wherever it is
+    uint64_t per_slot = 0;   // one expert in every bank of every MoE layer
+    uint64_t n_banks  = 0;   // routed-expert tensors over all MoE layers
+    uint64_t max_slice = 0;  // the largest expert slice of any tensor (a reader's buffer)
+    bool     experts_host = true;  // the routed experts are in host memory (false: on a device, with the rest)
+    bool     mapped       = true;  // the routed experts are mapped from the model file (host=file can read them)
+    bool     repacked     = false; // an expert tensor is in a repacked CPU layout (the engine copies plain rows)
+    // a GPU holds the MoE layers: its free memory now, and what of ours it holds already (the vram= budget counts them)
+    bool     gpu         = false;
+    uint64_t dev_free    = 0;
+    uint64_t dev_weights = 0;
+    uint64_t dev_context = 0;
+};
+
+// The plan: the cache off (stock), a spec (its keys in order), or a one-line error; `why` is the one-line reason.
+struct llama_expert_auto_plan {
+    bool        off = true;
+    std::vector<std::pair<std::string, std::string>> keys;
+    std::string why;
+    std::string err;   // non-empty: refuse the context with this line
+    int32_t     slots = 0;     // the planned slots per layer (0 when off)
+
+    // "mode=engine,policy=quality,host=file,ram=1843M" ("mode=off" when off)
+    std::string spec() const;
+};
+
+// The decision. usable and facts: llama_expert_machine::usable() and describe(); reserve: vram_reserve (the compute
+// buffers); readers: the file tier's reader threads; policy: the preset to run ("" = quality; a tuned profile's
+// choice from llama_expert_auto_tuned_policy, or the user's: policy_given).
+llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & m, uint64_t usable,
+        const std::string & facts, uint64_t reserve, int32_t readers, const std::string & policy,
+        bool policy_given = false);
+
+// Whether a spec asks for auto: "auto", or "auto,key=value,..." (rest: the keys after it, which the user gives to
+// override or add to the plan's: "auto,stats=s.json", "auto,policy=speed").
+bool llama_expert_auto_requested(const std::string & spec, std::string & rest);
+
+// Whether the user's keys after `auto` give `key`.
+bool llama_expert_auto_user_gives(const std::string & rest, const std::string & key);
+
+// The spec to run: the plan's keys, those the user gave in `rest` replaced by the user's values, then the user's
+// other keys. An off plan with user keys stays off ("mode=off," + rest: the parser warns that they have no effect).
+std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const std::string & rest);
+
+// The hook for a tuned profile (issue 24, item 2: `harness tune` writes one next to the model or in the user's cache
+// folder): the policy it chose for this model and machine, "" when there is none (then auto runs `quality`). Not
+// implemented yet: always "".
+std::string llama_expert_auto_tuned_policy(const std::string & model_path);

@@ -1,0 +1,168 @@
+// Unit tests of `--moe-cache auto`'s decision (src/llama/llama-expert-auto.cpp): fake model and machine facts in,
+// plans out. Built and run by tests/test_machine.py with the model-free sources (MOE_SUBST_POLICY_SOURCES).
+#include "llama-expert-auto.h"
+#include "llama-expert-machine.h"
+#include "llama-expert-spec.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+static int n_fail = 0;
+
+#define CHECK(cond) do { if (!(cond)) { std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); ++n_fail; } } while (0)
+
+static const uint64_t MiB = 1ull << 20;
+static const uint64_t GiB = 1ull << 30;
+static const uint64_t RESERVE = 256*MiB;
+
+// a 30B-A3B-like model: 48 layers x 128 experts, k = 8, 16.5 GiB of experts, 1.5 GiB of the rest
+static llama_expert_auto_model big_model() {
+    llama_expert_auto_model m;
+    m.n_expert  = 128;
+    m.k         = 8;
+    m.weights   = 1536*MiB;
+    m.per_slot  = 132*MiB;              // one expert in each of 48 layers (3 tensors)
+    m.experts   = m.per_slot * 128;     // 16.5 GiB
+    m.n_banks   = 48*3;
+    m.max_slice = 1*MiB;
+    m.context   = 384*MiB;
+    return m;
+}
+
+static bool has(const std::string & s, const std::string & part) {
+    return s.find(part) != std::string::npos;
+}
+
+static bool parses(const std::string & spec) {
+    llama_expert_cache_config cfg;
+    std::string err;
+    const bool ok = llama_expert_cache_config_parse(spec, cfg, err);
+    if (!ok) {
+        std::fprintf(stderr, "'%s': %s\n", spec.c_str(), err.c_str());
+    }
+    return ok;
+}
+
+static void test_cpu_plans() {
+    const llama_expert_auto_model m = big_model();
+    // fits in RAM (64 GiB machine): off, and says why
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, 64*GiB, "MemAvailable 64 GiB", RESERVE, 4, "");
+    CHECK(p.off && p.err.empty() && p.spec() == "mode=off");
+    CHECK(has(p.why, "fits in the") && has(p.why, "stock is as fast") && has(p.why, "MemAvailable 64 GiB"));
+
+    // bigger than RAM (a 16 GiB cgroup): the file tier, ram= from the limit less 10%, policy quality
+    p = llama_expert_auto_decide(m, 16*GiB, "the memory cgroup /x", RESERVE, 4, "");
+    CHECK(!p.off && p.err.empty());
+    // 16 GiB less 10% = 14745.6 MiB -> 14745M; fixed = 1536 + 384 + 256 + 5 x (1 MiB + 8 KiB) + 48 + 132 + 72 KiB
+    CHECK(p.spec() == "mode=engine,policy=quality,host=file,ram=14745M");
+    CHECK(p.slots == (int32_t) ((14745*MiB - (2356*MiB + 5*(MiB + 8192) + 144*512)) / (132*MiB)));
+    CHECK(p.slots == 93);
+    CHECK(has(p.why, "runs from the file tier: 93 of 128 experts per layer resident in RAM"));
+    CHECK(has(p.why, "policy quality (no tuned profile)") && has(p.why, "the memory cgroup /x"));
+    CHECK(parses(p.spec()));
+    // a tuned profile's policy is used and named
+    p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "speed");
+    CHECK(has(p.spec(), "policy=speed") && has(p.why, "policy speed (the tuned profile's)"));
+
+    // the same machine facts give the same plan (reproducible)
+    CHECK(llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "").spec() ==
+          llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "").spec());
+
+    // a tiny limit: one line saying what is needed
+    p = llama_expert_auto_decide(m, 2*GiB, "the memory cgroup /tiny", RESERVE, 4, "");
+    CHECK(p.off && !p.err.empty() && p.err.find("auto: the model") == 0);
+    CHECK(has(p.err, "even that needs at least") && has(p.err, "free memory, raise the memory limit"));
+    CHECK(p.err.find('\n') == std::string::npos);
+
+    // repacked experts, or no mmap: the file tier cannot run; one line naming the flag
+    llama_expert_auto_model r = m;
+    r.repacked = true;
+    p = llama_expert_auto_decide(r, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!p.err.empty() && has(p.err, "add --no-repack (-nr)"));
+    r = m;
+    r.mapped = false;
+    p = llama_expert_auto_decide(r, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!p.err.empty() && has(p.err, "load it with mmap"));
+    // ... but a model that fits needs neither: off
+    r.repacked = true;
+    CHECK(llama_expert_auto_decide(r, 64*GiB, "x", RESERVE, 4, "").off);
+
+    // no memory facts: nothing says the model is bigger than RAM: off
+    p = llama_expert_auto_decide(m, UINT64_MAX, "no memory facts", RESERVE, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "no memory facts"));
+
+    // not a MoE model
+    llama_expert_auto_model dense;
+    p = llama_expert_auto_decide(dense, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(p.off && has(p.why, "no routed experts"));
+}
+
+static void test_gpu_plans() {
+    llama_expert_auto_model m = big_model();
+    m.gpu         = true;
+    m.dev_weights = 1536*MiB;
+    m.dev_context = 384*MiB;
+    m.dev_free    = 20*GiB;
+    // the experts on the GPU with the rest (no --cpu-moe): off
+    m.experts_host = false;
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, 64*GiB, "x", RESERVE, 4, "");
+    CHECK(p.off && has(p.why, "on the GPU with the rest"));
+    // experts in host memory, which holds them: the VRAM cache, vram= from the device's room less 10%
+    m.experts_host = true;
+    m.dev_free     = 4*GiB;
+    p = llama_expert_auto_decide(m, 64*GiB, "x", RESERVE, 4, "");
+    // room = 4096 + 1536 + 384 = 6016 MiB, less 10% = 5414.4 -> 5414M; (5414 - 2176 - 132 - 72 KiB) / 132 = 23.5
+    CHECK(p.spec() == "mode=engine,policy=quality,vram=5414M" && p.slots == 23);
+    CHECK(has(p.why, "the VRAM cache, 23 of 128 experts per layer on the GPU"));
+    CHECK(parses(p.spec()));
+    // ... and RAM does not hold them (a 12 GiB machine): three tiers
+    p = llama_expert_auto_decide(m, 12*GiB, "x", RESERVE, 4, "");
+    CHECK(has(p.spec(), "mode=engine,policy=quality,vram=5414M,host=file,ram_slots="));
+    // RAM room: 12 GiB less 10% = 11059.2 MiB, less 48 MiB baseline and 5 reader buffers: 83 experts of 132 MiB
+    CHECK(has(p.spec(), "ram_slots=83") && has(p.why, "three tiers: 23 of 128 experts per layer on the GPU, 83 in RAM"));
+    CHECK(parses(p.spec()));
+    // a GPU too small for k slots: off, saying the cache cannot help
+    m.dev_free = 0;
+    m.dev_weights = 2000*MiB;
+    m.dev_context = 0;
+    p = llama_expert_auto_decide(m, 64*GiB, "x", RESERVE, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "the cache cannot help"));
+}
+
+static void test_spec_composition() {
+    std::string rest;
+    CHECK(llama_expert_auto_requested("auto", rest) && rest.empty());
+    CHECK(llama_expert_auto_requested(" auto ", rest) && rest.empty());
+    CHECK(llama_expert_auto_requested("auto,stats=s.json", rest) && rest == "stats=s.json");
+    CHECK(!llama_expert_auto_requested("autox", rest));
+    CHECK(!llama_expert_auto_requested("mode=engine", rest));
+    CHECK(!llama_expert_auto_requested("", rest));
+
+    llama_expert_auto_plan p = llama_expert_auto_decide(big_model(), 16*GiB, "x", RESERVE, 4, "");
+    CHECK(llama_expert_auto_spec(p, "") == "mode=engine,policy=quality,host=file,ram=14745M");
+    // the user's keys win over the plan's, and are added after it
+    CHECK(llama_expert_auto_spec(p, "policy=speed,stats=s.json") ==
+          "mode=engine,host=file,ram=14745M,policy=speed,stats=s.json");
+    CHECK(parses(llama_expert_auto_spec(p, "policy=speed,stats=s.json")));
+    // an off plan stays off (the parser warns that the user's keys have no effect)
+    p = llama_expert_auto_decide(big_model(), 64*GiB, "x", RESERVE, 4, "");
+    CHECK(llama_expert_auto_spec(p, "") == "mode=off" && llama_expert_auto_spec(p, "stats=s") == "mode=off,stats=s");
+    CHECK(llama_expert_auto_tuned_policy("/m.gguf").empty()); // the hook, not implemented yet
+    CHECK(llama_expert_auto_user_gives("stats=s, policy = speed", "policy"));
+    CHECK(!llama_expert_auto_user_gives("stats=policy", "policy") && !llama_expert_auto_user_gives("", "policy"));
+    p = llama_expert_auto_decide(big_model(), 16*GiB, "x", RESERVE, 4, "speed", true);
+    CHECK(has(p.why, "policy speed (given)"));
+}
+
+int main() {
+    test_cpu_plans();
+    test_gpu_plans();
+    test_spec_composition();
+    if (n_fail) {
+        std::fprintf(stderr, "%d checks failed\n", n_fail);
+        return 1;
+    }
+    std::printf("all expert auto tests passed\n");
+    return 0;
+}

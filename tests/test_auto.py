@@ -1,0 +1,129 @@
+"""`--moe-cache auto` (issue 24, item 1): the plan chosen from the model's and the machine's facts.
+
+- the decision on fake facts (fits in RAM -> off; bigger than RAM -> the file tier with ram= from the limit; a GPU;
+  a tiny limit, repacked experts, no mmap -> one line): tests/cpp/test_expert_auto.cpp;
+- with the real build: a model that fits stays off (the output is stock's) and says why; under a fake machine whose
+  memory cgroup is smaller than the model (LLAMA_MOE_CACHE_MACHINE_ROOT), auto runs the file tier with the logged
+  plan's slots, the same as the spec it names; the keys after `auto` override the plan's; without mmap it is one line
+  naming the flag; `--moe-cache auto` is the same as the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.core.project import Build
+from harness.tools.synth import SynthSpec, write_synth_model
+
+ROOT = Path(__file__).resolve().parents[1]
+OUR_SRC = ROOT / "src"
+MiB = 2**20
+
+
+def test_expert_auto_unit(tmp_path: Path, policy_sources: list[Path]) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "test_expert_auto"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{OUR_SRC / 'llama'}", f"-I{OUR_SRC / 'include'}",
+                    str(ROOT / "tests" / "cpp" / "test_expert_auto.cpp"), *map(str, policy_sources), "-o",
+                    str(exe)], check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "all expert auto tests passed" in res.stdout
+
+
+def _fake_machine(root: Path, limit: int) -> Path:
+    """A fake /proc and /sys: 16 GiB available, this process in a v2 cgroup whose parent is limited to `limit`."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "meminfo").write_text("MemTotal: 33554432 kB\nMemAvailable: 16777216 kB\n")
+    (root / "proc" / "self" / "cgroup").write_text("0::/job/run\n")
+    (root / "sys" / "fs" / "cgroup" / "job" / "run").mkdir(parents=True)
+    (root / "sys" / "fs" / "cgroup" / "job" / "memory.max").write_text(f"{limit}\n")
+    (root / "sys" / "fs" / "cgroup" / "job" / "memory.current").write_text("0\n")
+    return root
+
+
+def _run(build: Build, model: Path, text: Path, tmp: Path, env: dict[str, str], *extra: str) -> tuple[int, str, bytes]:
+    logits = tmp / "logits.bin"
+    logits.unlink(missing_ok=True)
+    args = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "128", "-b", "128",
+            "--chunks", "2", "-t", "2", "-ub", "1", "-lv", "4", "--kl-divergence-base", str(logits), *extra]
+    base = {k: v for k, v in os.environ.items() if k not in ("LLAMA_MOE_CACHE", "LLAMA_MOE_CACHE_MACHINE_ROOT")}
+    res = subprocess.run(args, env={**base, **env}, capture_output=True, text=True, timeout=600)
+    return res.returncode, res.stdout + res.stderr, logits.read_bytes() if logits.exists() else b""
+
+
+def _auto_line(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if "llama_expert_cache: auto: " in ln]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0].split("llama_expert_cache: auto: ", 1)[1]
+
+
+@pytest.mark.build
+def test_a_model_that_fits_stays_off(patched_build: Build, synth_text_file: Path, tmp_path: Path) -> None:
+    model = write_synth_model(SynthSpec(), tmp_path / "m.gguf")
+    rc, out, stock = _run(patched_build, model, synth_text_file, tmp_path, {})
+    assert rc == 0 and stock
+    rc, out, logits = _run(patched_build, model, synth_text_file, tmp_path, {"LLAMA_MOE_CACHE": "auto"})
+    assert rc == 0, out[-3000:]
+    line = _auto_line(out)
+    assert line.startswith("off: the model (") and "stock is as fast" in line, line
+    assert logits == stock  # off is the stock graph
+    # --moe-cache auto is the same
+    rc, out, logits = _run(patched_build, model, synth_text_file, tmp_path, {}, "--moe-cache", "auto")
+    assert rc == 0 and _auto_line(out).startswith("off: ") and logits == stock
+
+
+@pytest.mark.build
+def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, synth_text_file: Path,
+                                                          tmp_path: Path) -> None:
+    """96 MiB of experts under a (fake) 150 MiB memory cgroup: the file tier, ram= the limit less 10%, the plan's
+    slots; the spec it names, given by hand, takes the same decisions; the user's keys after auto win."""
+    from harness.parsers.cache_plan import parse_cache_plan
+
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
+                              tmp_path / "m.gguf")
+    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 150 * MiB))}
+    stats = tmp_path / "auto.json"
+    rc, out, auto_logits = _run(patched_build, model, synth_text_file, tmp_path,
+                                {**env, "LLAMA_MOE_CACHE": f"auto,vram_reserve=16M,stats={stats}"})
+    assert rc == 0, out[-3000:]
+    line = _auto_line(out)
+    m = re.match(r"(mode=engine,policy=quality,host=file,ram=(\d+)M,vram_reserve=16M),stats=\S+: the model \(", line)
+    assert m, line
+    assert int(m[2]) == (150 * MiB - 150 * MiB // 100 * 10) >> 20  # the limit less the 10% margin, in whole MiB
+    assert "the memory cgroup /job (v2, limit 150.0 MiB" in line and "runs from the file tier" in line, line
+    assert "policy quality (no tuned profile)" in line
+    slots = int(re.search(r"file tier: (\d+) of 32 experts per layer", line)[1])  # type: ignore[index]
+    plan = parse_cache_plan(out)
+    assert plan.key == "ram" and plan.budget == int(m[2]) * MiB and plan.slots == slots
+    cfg = json.loads(stats.read_text())["config"]
+    assert (cfg["slots"], cfg["host"], cfg["policy"]) == (slots, "file", "quality")
+    # the spec the line names, by hand: the same decisions, the same output
+    hand = tmp_path / "hand.json"
+    rc, out, hand_logits = _run(patched_build, model, synth_text_file, tmp_path,
+                                {**env, "LLAMA_MOE_CACHE": f"{m[1]},stats={hand}"})
+    assert rc == 0 and hand_logits == auto_logits
+    assert json.loads(hand.read_text())["total"] == json.loads(stats.read_text())["total"]
+    # the user's policy wins and the line says so
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path,
+                      {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M,policy=speed"})
+    assert rc == 0 and "policy=speed" in _auto_line(out) and "policy speed (given)" in _auto_line(out)
+    # without mmap the file tier cannot read the experts: one line naming the flag
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path,
+                      {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"}, "--load-mode", "none")
+    lines = [ln for ln in out.splitlines() if "auto: the model" in ln]
+    assert rc != 0 and len(lines) == 1 and "load it with mmap" in lines[0], out[-3000:]
+    # a limit too small for even k slots: one line saying what is needed
+    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "tiny", 40 * MiB))}
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "auto"})
+    lines = [ln for ln in out.splitlines() if "auto: the model" in ln]
+    assert rc != 0 and len(lines) == 1 and "even that needs at least" in lines[0], out[-3000:]
