@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +77,11 @@ class Server:
 @contextmanager
 def llama_server(binary: Path, model: Path, log_path: Path, *, spec: str | None = None, ctx: int = 2048,
                  threads: int | None = None, extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 ready_timeout: float = 300) -> Iterator[Server]:
+                 ready_timeout: float = 300, preexec: Callable[[], None] | None = None) -> Iterator[Server]:
     """llama-server on 127.0.0.1 with /metrics, `--moe-cache SPEC` when a spec is given (LLAMA_MOE_CACHE is removed
     from its environment either way), healthy before this yields; stopped at the end. A server that exits or does
-    not become healthy in `ready_timeout` seconds is a one-line HarnessError with its log's tail."""
+    not become healthy in `ready_timeout` seconds is a one-line HarnessError with its log's tail. `preexec` runs in
+    the child before exec (harness.tools.cgroup.MemoryCgroup.preexec: the server inside a memory limit)."""
     if not binary.is_file():
         raise HarnessError(f"no llama-server at {binary}: run ./build.sh")
     port = free_port()
@@ -89,7 +90,8 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, spec: str | None 
            *(["-t", str(threads)] if threads else []), *extra, *(["--moe-cache", spec] if spec else [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, env=base_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=base_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=preexec)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.monotonic() + ready_timeout
