@@ -233,7 +233,7 @@ def test_pack_same_decisions_and_output(io: str, packed: dict[str, Path], pack_t
     """quality (and speed), O_DIRECT or buffered (one preadv into the banks), reader threads or synchronous reads,
     three tiers: with the pack, the decisions and output of the three-read path, bit for bit."""
     model = packed["qwen3moe"]
-    spec = "mode=engine,policy=quality,slots=25%,host=file" + io
+    spec = "mode=engine,slots=25%,host=file" + ("" if "policy=" in io else ",policy=quality") + io
     with_pack = run_ppl(patched_build, model, pack_text, tmp_path / "pack", spec, ubatch=1)
     without = run_ppl(patched_build, model, pack_text, tmp_path / "off", spec + ",pack=off", ubatch=1)
     check_ok(with_pack)
