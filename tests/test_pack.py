@@ -25,8 +25,7 @@ from test_engine import check_ok, run_ppl, same_decisions
 from harness.cli.app import main
 from harness.core.errors import HarnessError
 from harness.core.project import Build
-from harness.domain.pack import (PACK_ALIGN, decode_header, default_pack_path, encode_header, plan_pack,
-                                 with_crcs)
+from harness.domain.pack import PACK_ALIGN, decode_header, default_pack_path, encode_header, plan_pack, with_crcs
 from harness.orchestration import pack as pack_mod
 from harness.orchestration.pack import read_pack_header, verify_pack, write_pack
 from harness.parsers.gguf_model import read_model_info

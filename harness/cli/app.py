@@ -73,8 +73,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if args.verify:
         v = _with_progress("verify", lambda progress: pack.verify_pack(args.model, args.out, progress))
         console.print(f"{v.path}: matches {args.model} ({len(v.layout.tensors)} expert tensors in "
-                      f"{len(v.layout.layers)} layers, checksum {v.layout.checksum:08x}; {v.seconds:.1f} s)", soft_wrap=True,
-                      highlight=False)
+                      f"{len(v.layout.layers)} layers, checksum {v.layout.checksum:08x}; {v.seconds:.1f} s)",
+                      soft_wrap=True, highlight=False)
         return 0
     r = _with_progress("pack", lambda progress: pack.write_pack(args.model, args.out, progress))
     rec = r.layout.layers[0].record_bytes

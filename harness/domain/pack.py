@@ -104,7 +104,8 @@ def plan_pack(info: ModelInfo, gguf_size: int, gguf_mtime_ns: int) -> PackLayout
     for t in info.expert_tensors:
         il = int(t.name.split(".")[1])
         if len(t.name.encode()) >= PACK_NAME_BYTES:
-            raise HarnessError(f"{info.path}: tensor name {t.name} is longer than the pack's {PACK_NAME_BYTES - 1} bytes")
+            raise HarnessError(f"{info.path}: tensor name {t.name} is longer than the pack's "
+                               f"{PACK_NAME_BYTES - 1} bytes")
         if t.n_bytes % info.n_expert != 0 or t.shape[-1] != info.n_expert:
             raise HarnessError(f"{info.path}: expert tensor {t.name} (shape {t.shape}, {t.n_bytes} bytes) is not "
                                f"{info.n_expert} experts of equal size in its last dimension")
@@ -184,7 +185,8 @@ def decode_header(data: bytes, where: str) -> PackLayout:
                                   (ne0, ne1, ne2, ne3)[:n_dims], row, eb, rec, goff, crc))
     layers = []
     for i in range(n_layers):
-        il, nt, first, _, record_bytes, data_bytes, first_record = _LAYER.unpack_from(data, PACK_HEADER + PACK_LAYER * i)
+        il, nt, first, _, record_bytes, data_bytes, first_record = _LAYER.unpack_from(
+            data, PACK_HEADER + PACK_LAYER * i)
         ts = tuple(tensors[first:first + nt])
         if (len(ts) != nt or nt == 0 or record_bytes % PACK_ALIGN or first_record % PACK_ALIGN
                 or data_bytes != sum(t.expert_bytes for t in ts) or record_bytes < data_bytes

@@ -25,8 +25,7 @@ from types import FrameType
 
 from harness.core.errors import HarnessError
 from harness.core.files import require_regular_file
-from harness.domain.pack import (PackLayout, decode_header, default_pack_path, encode_header, plan_pack,
-                                 with_crcs)
+from harness.domain.pack import PackLayout, decode_header, default_pack_path, encode_header, plan_pack, with_crcs
 from harness.parsers.gguf_model import read_model_info
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, label)
@@ -135,8 +134,8 @@ def _write_records(mfd: int, ofd: int, model: Path, tmp: Path, layout: PackLayou
                    progress: ProgressFn | None) -> list[int]:
     try:
         os.posix_fallocate(ofd, 0, layout.pack_size)  # a full disk fails here, before any work
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(ofd, layout.pack_size)
     crcs: list[int] = []
@@ -144,20 +143,20 @@ def _write_records(mfd: int, ofd: int, model: Path, tmp: Path, layout: PackLayou
     last = 0.0
     for li, la in enumerate(layout.layers):
         crc = [0] * len(la.tensors)
-        for e in range(layout.n_expert):
+        for ex in range(layout.n_expert):
             rec = bytearray(la.record_bytes)
             for ti, t in enumerate(la.tensors):
-                b = _pread_exact(mfd, t.expert_bytes, t.gguf_offset + e * t.expert_bytes, model)
+                b = _pread_exact(mfd, t.expert_bytes, t.gguf_offset + ex * t.expert_bytes, model)
                 crc[ti] = zlib.crc32(b, crc[ti])
                 rec[t.rec_offset:t.rec_offset + t.expert_bytes] = b
-            off = la.first_record + e * la.record_bytes
+            off = la.first_record + ex * la.record_bytes
             view = memoryview(rec)
             while view:
                 n = os.pwrite(ofd, view, off)
                 view, off = view[n:], off + n
             done += la.data_bytes
             now = time.monotonic()
-            if progress is not None and (now - last > 0.5 or e == layout.n_expert - 1):
+            if progress is not None and (now - last > 0.5 or ex == layout.n_expert - 1):
                 progress(done, total, f"pack layer {la.il} ({li + 1}/{len(layout.layers)})")
                 last = now
         # the layer's pages: written out, and dropped from the page cache (the model's too), so that packing a model
@@ -182,9 +181,8 @@ def read_pack_header(path: Path) -> PackLayout:
     layout = decode_header(data, str(path))
     size = path.stat().st_size
     if size != layout.pack_size:
-        raise HarnessError(f"{path}: truncated expert pack ({size} bytes, its header says {layout.pack_size})"
-                           if size < layout.pack_size else
-                           f"{path}: expert pack longer than written ({size} bytes, its header says {layout.pack_size})")
+        what = "truncated expert pack" if size < layout.pack_size else "expert pack longer than written"
+        raise HarnessError(f"{path}: {what} ({size} bytes, its header says {layout.pack_size})")
     return layout
 
 
