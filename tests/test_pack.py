@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import struct
 import zlib
 from pathlib import Path
@@ -138,6 +139,14 @@ def test_pack_full_disk_and_interrupt_leave_nothing(tmp_path: Path, monkeypatch:
     with pytest.raises(KeyboardInterrupt):
         write_pack(m, progress=interrupt)
     assert leftovers() == []
+
+    # SIGTERM while writing: the same (the writer turns it into an interrupt, and restores the handler after)
+    def term(done: int, total: int, label: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+    before_handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        write_pack(m, progress=term)
+    assert leftovers() == [] and signal.getsignal(signal.SIGTERM) == before_handler
 
     # an older pack stays as it was when writing a new one fails half-way (a write error after some records)
     write_pack(m)
