@@ -303,12 +303,27 @@ def test_pack_mismatch_is_warned_or_refused(packed: dict[str, Path], pack_text: 
     case("garbage", not_a_pack, "not an expert pack")
 
 
+def test_harness_refuses_a_special_file_as_pack(tmp_path: Path) -> None:
+    from harness.core.files import check_cache_paths
+
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(HarnessError, match=f"pack={fifo} is a FIFO"):
+        check_cache_paths([("pack", str(fifo))])
+    with pytest.raises(HarnessError, match="is a folder"):
+        check_cache_paths([("pack", str(tmp_path))])
+    check_cache_paths([("pack", "off"), ("pack", "auto"), ("pack", str(tmp_path / "none.moe-pack"))])
+
+
 @pytest.mark.build
 def test_pack_spec_refusals(packed: dict[str, Path], pack_text: Path, tmp_path: Path, patched_build: Build) -> None:
     model = packed["qwen3moe"]
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
     for spec, words in (("mode=engine,slots=25%,pack=off", "pack= sets how host=file reads"),
                         ("mode=emulate,slots=25%,host=file,pack=off", "emulate reads nothing"),
                         ("mode=engine,slots=25%,host=file,pack=", "'pack'"),
-                        (f"mode=engine,slots=25%,host=file,pack={tmp_path / 'none.moe-pack'}", "cannot open")):
+                        (f"mode=engine,slots=25%,host=file,pack={tmp_path / 'none.moe-pack'}", "cannot open"),
+                        (f"mode=engine,slots=25%,host=file,pack={fifo}", "is a FIFO (named pipe)")):
         r = run_ppl(patched_build, model, pack_text, tmp_path / "r", spec, ubatch=1, nll=False, want=words)
         assert r.returncode != 0 and words in r.output, (spec, r.output[-2000:])
