@@ -235,6 +235,34 @@ def test_pack_fetch_all_is_stock_in_one_read_per_expert(arch: str, ubatch: int |
 
 
 @pytest.mark.build
+def test_pack_of_a_kquant_model_is_stock(pack_text: Path, tmp_path: Path, stock_build: Build,
+                                         patched_build: Build) -> None:
+    """Q4_K_M mixes types per tensor (Q4_K gate/up, Q6_K down in some layers): the records keep each slice in its own
+    type, fetch-all through the pack is stock bit for bit, one read per expert."""
+    from harness.tools.quantize import find_quantize, write_kquant_model
+
+    try:
+        tool = find_quantize({"stock": stock_build, "patched": patched_build})
+    except HarnessError as e:
+        pytest.skip(str(e))
+    model = write_kquant_model(_spec("qwen3moe", n_embd=256, n_ff_exp=256, n_ff_shexp=256), "Q4_K_M",
+                               tmp_path / "q4km.gguf", tool)
+    write_pack(model)
+    types = {t.ggml_type for t in read_pack_header(default_pack_path(model)).tensors}
+    assert len(types) >= 2, types  # Q4_K and Q6_K slices side by side in the records
+    nr = ("--no-repack",)
+    stock = run_ppl(stock_build, model, pack_text, tmp_path / "stock", ubatch=1, nll=False, extra=nr)
+    eng = run_ppl(patched_build, model, pack_text, tmp_path / "eng", "mode=engine,policy=fetch-all,slots=25%,host=file",
+                  ubatch=1, extra=nr)
+    check_ok(stock)
+    check_ok(eng)
+    assert eng.logits == stock.logits
+    assert eng.stats is not None
+    e = eng.stats["engine"]
+    assert e["pack_reads"] == e["file_reads"] == e["copied_experts"] > 0, e
+
+
+@pytest.mark.build
 @pytest.mark.parametrize("io", ["", ",direct=off,readers=1", ",async=off", ",ram_slots=50%", ",policy=speed"])
 def test_pack_same_decisions_and_output(io: str, packed: dict[str, Path], pack_text: Path, tmp_path: Path,
                                         patched_build: Build) -> None:
