@@ -28,7 +28,8 @@
     X(file_loads,              file_loads,              "three tiers: experts loaded into the slots from the model file, through the RAM tier") \
     X(prefetches,              prefetches,              "experts admitted by prefetch (prefetch=on: the next MoE layer's router, predicted)") \
     X(prefetch_used,           prefetch_used,           "prefetched experts computed with (selected, or a substitute) before their eviction") \
-    X(prefetch_wasted,         prefetch_wasted,         "prefetched experts evicted before they were computed with")
+    X(prefetch_wasted,         prefetch_wasted,         "prefetched experts evicted before they were computed with") \
+    X(prefetch_dropped,        prefetch_dropped,        "prefetched experts dropped from the residency because their read had not started when the layer decided without them (host=file)")
 
 // mode=engine: the copies into the cache banks (llama_expert_engine_stats), summed over layers
 #define LLAMA_EXPERT_ENGINE_COUNTERS(X) \
@@ -39,13 +40,18 @@
     X(background_experts, background_experts, "experts copied as background admissions") \
     X(deferred_experts,   deferred_experts,   "background admissions deferred to the next step (next to a slot in use)") \
     X(wait_ns,            copy_wait_seconds,  "host time waiting for background copies") \
+    X(fetch_wait_ns,      fetch_wait_seconds, "host time waiting for a step's synchronous fetches (with a copier; included in copy_ns)") \
     X(file_reads,         file_reads,         "reads from the model file (host=file)") \
     X(file_read_bytes,    file_read_bytes,    "bytes read from the model file (host=file)") \
     X(file_read_ns,       file_read_seconds,  "time reading the model file, summed over the reader threads (host=file)") \
     X(pack_reads,         pack_reads,         "reads of whole experts from the expert pack (host=file with a pack; also in file_reads)") \
     X(pack_read_bytes,    pack_read_bytes,    "bytes read from the expert pack (host=file with a pack; also in file_read_bytes)") \
     X(prefetch_bytes,     prefetch_bytes,     "bytes of the experts admitted by prefetch (prefetch=on)") \
-    X(prefetch_wasted_bytes, prefetch_wasted_bytes, "bytes of the prefetched experts evicted before they were computed with")
+    X(prefetch_wasted_bytes, prefetch_wasted_bytes, "bytes of the prefetched experts evicted before they were computed with") \
+    X(prefetch_cancelled, prefetch_cancelled, "prefetch reads cancelled before they started (host=file: their layer decided first)") \
+    X(prefetch_late,      prefetch_late,      "prefetched experts the ubatch computed with whose read had not started: read as a fetch (host=file)") \
+    X(prefetch_waits,     prefetch_waits,     "route steps that settled a prefetch read already started, running or completed (host=file: one in flight at most)") \
+    X(prefetch_wait_ns,   prefetch_wait_seconds, "host time waiting for those prefetch reads to complete")
 
 // the route step (all modes)
 #define LLAMA_EXPERT_ROUTE_COUNTERS(X) \

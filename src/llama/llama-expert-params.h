@@ -36,4 +36,5 @@ struct llama_expert_params {
     bool     renorm     = false;
     bool     light_host = false;
     bool     prefetch   = false;
+    int32_t  prefetch_max = 0; // prefetch=on: at most this many experts admitted per prediction (0: all k)
 };

@@ -176,7 +176,8 @@ int32_t llama_expert_layer_policy::prefetch_experts(const int32_t * ids, int32_t
     }
     in_prefetch = true;
     int32_t added = 0;
-    for (int32_t r = 0; r < n; ++r) {
+    const int32_t budget = par.prefetch_max > 0 ? par.prefetch_max : n;
+    for (int32_t r = 0; r < n && added < budget; ++r) {
         const int32_t e = ids[r];
         if (e < 0 || e >= n_expert || slot_by_expert[e] >= 0) {
             continue;
@@ -194,6 +195,21 @@ int32_t llama_expert_layer_policy::prefetch_experts(const int32_t * ids, int32_t
     }
     in_prefetch = false;
     return added;
+}
+
+bool llama_expert_layer_policy::drop_prefetched(int32_t e) {
+    if (e < 0 || e >= n_expert || slot_by_expert[e] < 0 || !pf_unused[e]) {
+        return false;
+    }
+    expert_by_slot[slot_by_expert[e]] = -1;
+    slot_by_expert[e] = -1;
+    pf_unused[e]      = 0;
+    if (n_ram > 0 && ram_slot_by_expert[e] >= 0) {
+        expert_by_ram_slot[ram_slot_by_expert[e]] = -1;
+        ram_slot_by_expert[e] = -1;
+    }
+    stats.prefetch_dropped++;
+    return true;
 }
 
 double llama_expert_layer_policy::classlru_count(int32_t e) const {

@@ -72,7 +72,15 @@ struct llama_expert_layer_policy {
     // idealised: it completes before that decision). Victims by the eviction policy; never another expert of the
     // same prediction, nor one held by the current group. Returns the number admitted (counter prefetches; an
     // admitted expert counts prefetch_used when a token computes with it, prefetch_wasted when it is evicted first).
+    // prefetch_max=N: at most N admitted per prediction, the first non-resident ones in rank order (the highest
+    // predicted scores, hence gate weights).
     int32_t prefetch_experts(const int32_t * ids, int32_t n);
+
+    // host=file (the engine, llama-expert-engine.h): a prefetched expert whose read had not started when its layer
+    // decided a ubatch that does not compute with it: its slot (and its RAM-tier slot, three tiers) is emptied, as if
+    // the prefetch had not been made (counter prefetch_dropped; neither used nor wasted). False (nothing changed)
+    // when e is not a resident prefetched expert that no token has computed with.
+    bool drop_prefetched(int32_t e);
 
     // the residency, read-only: every change goes through the policy's own methods (place, ram_load, warm), which
     // keep the two maps of each tier inverse to each other

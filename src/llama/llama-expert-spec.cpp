@@ -262,6 +262,14 @@ static bool spec_key_max_rank(const std::string & val, llama_expert_cache_config
 static bool spec_key_renorm(const std::string & val, llama_expert_cache_config & cfg)   { return parse_choice(val, "on", "off", cfg.renorm); }
 static bool spec_key_light(const std::string & val, llama_expert_cache_config & cfg)    { return parse_choice(val, "host", "substitute", cfg.light_host); }
 static bool spec_key_prefetch(const std::string & val, llama_expert_cache_config & cfg) { return parse_choice(val, "on", "off", cfg.prefetch); }
+static bool spec_key_prefetch_max(const std::string & val, llama_expert_cache_config & cfg) {
+    if (val == "all") {
+        cfg.prefetch_max = 0;
+        return true;
+    }
+    uint64_t v;
+    return parse_int(val, 1, 65536, v) && (cfg.prefetch_max = (int32_t) v, true);
+}
 static bool spec_key_host(const std::string & val, llama_expert_cache_config & cfg)     { return parse_choice(val, "file", "ram", cfg.host_file); }
 
 static bool spec_key_evict(const std::string & val, llama_expert_cache_config & cfg) {
@@ -631,6 +639,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             "would delay the token): remove one of prefetch=on and async=off";
         return false;
     }
+    if (!cfg.prefetch && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF &&
+            std::any_of(kv.begin(), kv.end(), [](const auto & p) { return p.first == "prefetch_max"; })) {
+        err = "prefetch_max= limits the experts prefetch=on admits per layer and token: it needs prefetch=on";
+        return false;
+    }
     if (cfg.light_host && cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
         err = "light=host (experts computed on the host) is not implemented in mode=engine yet: use mode=emulate, or light=substitute";
         return false;
@@ -706,6 +719,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     p.renorm             = cfg.renorm;
     p.light_host         = cfg.light_host;
     p.prefetch           = cfg.prefetch;
+    p.prefetch_max       = cfg.prefetch_max;
     return p;
 }
 

@@ -54,6 +54,7 @@
     X(direct,       "auto (O_DIRECT reads where the file system allows them, else buffered), on (O_DIRECT or an error) or off (buffered reads)") \
     X(pack,         "auto (the expert pack MODEL.moe-pack next to the model file, when present), off, or an expert pack's path (harness pack)") \
     X(prefetch,     "on (admit the experts the next MoE layer's router predicts, in the background) or off") \
+    X(prefetch_max, "a number of prefetched experts per layer and token, 1 to 65536 (the highest predicted first), or all") \
     X(profile,      "a file path") \
     X(profile_out,  "a file path") \
     X(profile_every, "a number of tokens, 0 for only at the end") \
@@ -128,6 +129,9 @@ struct llama_expert_cache_config {
     // prefetch=on: the next MoE layer's router applied to this layer's input predicts that layer's k experts; the
     // predicted ones that are not resident are admitted in the background before that layer decides the token
     bool prefetch = false;
+    // prefetch_max=N: at most N predicted experts admitted per layer and token (the first non-resident ones in the
+    // prediction's rank order); 0 (all): every non-resident one of the k
+    int32_t prefetch_max = 0;
 
     // residency: slots_count >= 0 wins, otherwise slots_pct percent of the layer's experts
     int32_t slots_count = -1;
@@ -215,6 +219,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     X(renorm,             BOOL,  cfg.renorm) \
     X(light,              NAME,  cfg.light_host ? "host" : "substitute") \
     X(prefetch,           BOOL,  cfg.prefetch) \
+    X(prefetch_max,       INT,   cfg.prefetch_max > 0 ? cfg.prefetch_max : k) \
     X(slots,              INT,   n_slots) \
     X(n_expert,           INT,   n_expert) \
     X(n_expert_used,      INT,   k) \

@@ -1081,6 +1081,48 @@ static void test_prefetch() {
         llama_expert_policy_warm(p, { 4, 3, 0, 0, 0, 0 });
         CHECK(p.is_resident(0) && p.is_resident(1) && !p.is_resident(5) && p.stats.prefetch_wasted == 1);
     }
+    // prefetch_max=N: the first N non-resident experts of the prediction, in rank order
+    CHECK(llama_expert_cache_config_parse("policy=quality,prefetch=on,prefetch_max=2", cfg, err) && cfg.prefetch_max == 2);
+    CHECK(llama_expert_cache_config_parse("policy=quality,prefetch=on,prefetch_max=all", cfg, err) && cfg.prefetch_max == 0);
+    CHECK(!llama_expert_cache_config_parse("policy=quality,prefetch=on,prefetch_max=0", cfg, err) &&
+          err.find("'prefetch_max'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("policy=quality,prefetch_max=2", cfg, err) &&
+          err.find("prefetch_max= limits") != std::string::npos && err.find("needs prefetch=on") != std::string::npos);
+    {
+        llama_expert_layer_policy p;
+        p.init(8, 4, cfg_of("rule=fetch-all,evict=lru,slots=4,prefetch=on,prefetch_max=2"));
+        const int32_t a[4] = { 0, 5, 6, 7 }; // 0 is resident: 5 and 6 admitted, 7 over the budget
+        CHECK(p.prefetch_experts(a, 4) == 2);
+        CHECK(p.is_resident(5) && p.is_resident(6) && !p.is_resident(7) && p.stats.prefetches == 2);
+    }
+    {
+        // drop_prefetched: a prefetched expert not computed with leaves its slot empty (neither used nor wasted);
+        // one computed with, one not prefetched and one not resident are refused
+        llama_expert_layer_policy p;
+        p.init(6, 3, cfg_of("rule=fetch-all,evict=lru,slots=3,prefetch=on"));
+        const int32_t a[2] = { 4, 5 };
+        CHECK(p.prefetch_experts(a, 2) == 2 && p.is_resident(4) && p.is_resident(5));
+        const int32_t slot5 = p.slot_of(5);
+        CHECK(step(p, { 4 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_HIT && p.stats.prefetch_used == 1);
+        CHECK(!p.drop_prefetched(4) && p.is_resident(4)); // computed with
+        CHECK(!p.drop_prefetched(1) && !p.drop_prefetched(3)); // not prefetched; not resident
+        CHECK(p.drop_prefetched(5) && !p.is_resident(5) && p.expert_of(slot5) == -1);
+        CHECK(p.stats.prefetch_dropped == 1 && p.stats.prefetch_wasted == 0 && p.stats.prefetches == 2);
+        CHECK(!p.drop_prefetched(5));
+        // the empty slot is taken first, with no eviction
+        const uint64_t ev = p.stats.evictions;
+        CHECK(step(p, { 3 }, { 1.0f }, scores).act[0] == LLAMA_EXPERT_ACTION_FETCH && p.expert_of(slot5) == 3);
+        CHECK(p.stats.evictions == ev);
+    }
+    {
+        // three tiers: a dropped prefetch leaves the RAM tier too
+        llama_expert_layer_policy p;
+        p.init(6, 2, cfg_of("mode=emulate,host=file,rule=fetch-all,evict=lru,slots=2,ram_slots=3,prefetch=on"));
+        const int32_t a[1] = { 5 };
+        CHECK(p.prefetch_experts(a, 1) == 1 && p.ram_slot_of(5) >= 0);
+        const int32_t s2 = p.ram_slot_of(5);
+        CHECK(p.drop_prefetched(5) && p.ram_slot_of(5) == -1 && p.ram_expert_of(s2) == -1);
+    }
 }
 
 // the four path keys refuse a FIFO, a device or a folder when the spec is parsed (opening a FIFO blocks); a path
