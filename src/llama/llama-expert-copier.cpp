@@ -165,25 +165,36 @@ struct copier_backend : llama_expert_copier {
     const char * name() const override { return "a copy stream (second backend instance, events)"; }
 };
 
-// host threads that run the copies (or reads from the model file), urgent ones first; a mark counts the copies
-// issued under it that have not completed
+// host threads that run the copies (or reads from the model file): urgent ones first, then one prefetch job at a time,
+// then the other background copies; a mark counts the jobs issued under it that have not completed
 struct copier_thread : llama_expert_copier {
     struct job {
         int32_t               mark;
         llama_expert_transfer t;
+    };
+    struct prefetch_job {
+        int32_t                            mark;
+        int32_t                            tag;
+        std::vector<llama_expert_transfer> ts;
     };
     std::mutex               mtx;
     std::condition_variable  cv_job;
     std::condition_variable  cv_done;
     std::deque<job>          urgent_jobs;
     std::deque<job>          jobs;
-    std::vector<uint64_t>    pending;       // per mark: copies issued under it, not completed
+    std::deque<prefetch_job> prefetch_jobs;
+    bool                     prefetch_running = false; // a prefetch job has started and not completed
+    std::vector<uint64_t>    pending;       // per mark: jobs issued under it, not completed
     uint64_t                 in_flight = 0; // all marks
     uint32_t                 delay_us = 0;
+    uint32_t                 prefetch_delay_us = 0; // LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US
     bool                     stop     = false;
     std::vector<std::thread> workers;
 
     copier_thread(int32_t n_marks, uint32_t delay, int32_t n_threads) : pending(n_marks, 0), delay_us(delay) {
+        if (const char * d = getenv("LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US")) {
+            prefetch_delay_us = (uint32_t) strtoul(d, nullptr, 10);
+        }
         for (int32_t i = 0; i < std::max<int32_t>(1, n_threads); ++i) {
             workers.emplace_back([this] { run(); });
         }
@@ -198,10 +209,32 @@ struct copier_thread : llama_expert_copier {
             w.join();
         }
     }
+    bool prefetch_ready() const { return !prefetch_jobs.empty() && !prefetch_running; }
     void run() {
         std::unique_lock<std::mutex> lock(mtx);
         while (true) {
-            cv_job.wait(lock, [this] { return stop || !urgent_jobs.empty() || !jobs.empty(); });
+            cv_job.wait(lock, [this] { return stop || !urgent_jobs.empty() || prefetch_ready() || !jobs.empty(); });
+            if (urgent_jobs.empty() && prefetch_ready()) {
+                // the one prefetch job in flight: nothing urgent waits (an urgent job that arrives now waits for this
+                // one read at most, on one reader; the other readers take it at once)
+                const prefetch_job j = std::move(prefetch_jobs.front());
+                prefetch_jobs.pop_front();
+                prefetch_running = true;
+                lock.unlock();
+                if (delay_us + prefetch_delay_us > 0) {
+                    std::this_thread::sleep_for(std::chrono::microseconds(delay_us + prefetch_delay_us));
+                }
+                for (const auto & t : j.ts) {
+                    (void) llama_expert_transfer_run(t); // a failed read marks the file
+                }
+                lock.lock();
+                prefetch_running = false;
+                pending[j.mark]--;
+                in_flight--;
+                cv_done.notify_all();
+                cv_job.notify_all(); // the next prefetch job may start
+                continue;
+            }
             auto & q = !urgent_jobs.empty() ? urgent_jobs : jobs;
             if (q.empty()) {
                 return; // stop, nothing left
@@ -231,6 +264,29 @@ struct copier_thread : llama_expert_copier {
     void submit(int32_t m, bool urgent, const llama_expert_transfer & t) override {
         push(urgent, { m, t });
     }
+    void submit_prefetch(int32_t m, int32_t tag, const llama_expert_transfer * ts, int32_t n) override {
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            prefetch_jobs.push_back({ m, tag, std::vector<llama_expert_transfer>(ts, ts + n) });
+            pending[m]++;
+            in_flight++;
+        }
+        cv_job.notify_one();
+    }
+    bool cancel_prefetch(int32_t m, int32_t tag) override {
+        std::lock_guard<std::mutex> lock(mtx);
+        for (auto it = prefetch_jobs.begin(); it != prefetch_jobs.end(); ++it) {
+            if (it->mark == m && it->tag == tag) {
+                prefetch_jobs.erase(it);
+                pending[m]--;
+                in_flight--;
+                cv_done.notify_all();
+                return true;
+            }
+        }
+        return false; // started, or completed
+    }
+    bool prefetch_droppable() const override { return true; }
     void record(int32_t) override {} // the marks count their copies
     void wait(int32_t m) override {
         std::unique_lock<std::mutex> lock(mtx);

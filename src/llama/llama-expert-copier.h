@@ -72,6 +72,20 @@ struct llama_expert_copier {
     virtual const char * name() const = 0;
     // whether submit() returns before the transfer completes (background admissions then overlap the compute)
     virtual bool async() const { return true; }
+
+    // Prefetch reads (host=file): one expert's transfers (ts[0..n)) as one job under mark, named by tag (its slot).
+    // A copier with droppable prefetches (prefetch_droppable()) runs them after every urgent transfer, at most one
+    // prefetch job at a time (whatever its threads), and cancel_prefetch(mark, tag) removes one not started yet
+    // (true: it will not run; false: it has started or completed, wait(mark) for it). Other copiers issue them as
+    // background transfers under mark and cancel none.
+    virtual void submit_prefetch(int32_t mark, int32_t tag, const llama_expert_transfer * ts, int32_t n) {
+        GGML_UNUSED(tag);
+        for (int32_t i = 0; i < n; ++i) {
+            submit(mark, false, ts[i]);
+        }
+    }
+    virtual bool cancel_prefetch(int32_t mark, int32_t tag) { GGML_UNUSED(mark); GGML_UNUSED(tag); return false; }
+    virtual bool prefetch_droppable() const { return false; }
 };
 
 // transfers run at once, in the calling thread
@@ -81,8 +95,11 @@ std::unique_ptr<llama_expert_copier> llama_expert_copier_sync();
 // devices with async copies and events); null when the device offers neither
 std::unique_ptr<llama_expert_copier> llama_expert_copier_backend(ggml_backend_dev_t dev, int32_t n_marks);
 
-// n_threads host threads that copy (or read) into banks in host memory, urgent copies first; delay_us (tests)
-// holds every copy back so that a slot used before its copy completed would be caught
+// n_threads host threads that copy (or read) into banks in host memory, urgent copies first, then one prefetch job at
+// a time, then the other background copies; delay_us (tests) holds every copy back so that a slot used before its copy
+// completed would be caught. Its prefetches are droppable. Test hook: LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US=N holds
+// every prefetch job back N microseconds once it has started (a slow read: it is no longer cancellable), so that a
+// fetch that waited behind queued prefetches, or more than one prefetch in flight, would show.
 std::unique_ptr<llama_expert_copier> llama_expert_copier_thread(int32_t n_marks, uint32_t delay_us, int32_t n_threads = 1);
 
 // The factory: the background copier for the banks on dev (async=auto: a copy stream where the device offers async
