@@ -480,6 +480,7 @@ void llama_expert_cache_impl::reset() {
         for (auto & L : layers) {
             if (L->moe) {
                 engine->complete(L->il, L->policy);
+                engine->settle_prefetch(L->il, L->policy);
             }
         }
     }

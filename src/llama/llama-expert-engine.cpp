@@ -222,7 +222,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         auto it = copier_of.find(dev);
         if (it == copier_of.end()) {
             auto c = llama_expert_copier_create(dev, async, host_file, readers,
-                files.empty() || files.begin()->second->direct, 2*(int32_t) moe.size(), (int32_t) il, pfx, __func__);
+                files.empty() || files.begin()->second->direct, 3*(int32_t) moe.size(), (int32_t) il, pfx, __func__);
             llama_expert_copier * ptr = c ? c.get() : copier_sync.get();
             if (c) {
                 copiers.push_back(std::move(c));
@@ -305,12 +305,31 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
         "without the cache (unset LLAMA_MOE_CACHE, or mode=off)", il, ggml_get_name(src)));
 }
 
+// the copiers' marks of a layer: its fetches (waited for at once), its background admissions (waited for at its next
+// step) and its droppable prefetch reads (host=file: settled at its next step, llama_expert_engine::settle_prefetch)
+static int32_t mark_fetch(int32_t il)    { return 3*il; }
+static int32_t mark_bg(int32_t il)       { return 3*il + 1; }
+static int32_t mark_prefetch(int32_t il) { return 3*il + 2; }
+
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer, one transfer per bank submitted to copier
 // (the layer's, or the synchronous one); from the expert pack (host=file with a pack), one transfer per expert (one
-// read into all of its banks)
+// read into all of its banks). prefetch (runs of one expert): the transfers are one droppable prefetch job, tagged
+// with the slot.
 static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, int32_t s,
-                     int32_t e, int32_t n, llama_expert_copier & copier, bool fg, llama_expert_pack * pack) {
-    const int32_t mark = fg ? 2*il : 2*il + 1;
+                     int32_t e, int32_t n, llama_expert_copier & copier, bool fg, llama_expert_pack * pack,
+                     bool prefetch = false) {
+    GGML_ASSERT(!prefetch || (n == 1 && !fg));
+    const int32_t mark = fg ? mark_fetch(il) : prefetch ? mark_prefetch(il) : mark_bg(il);
+    llama_expert_transfer pf_ts[LLAMA_EXPERT_N_TENSORS];
+    int32_t               pf_n = 0;
+    auto submit = [&](const llama_expert_transfer & t) {
+        if (prefetch) {
+            GGML_ASSERT(pf_n < (int32_t) LLAMA_EXPERT_N_TENSORS);
+            pf_ts[pf_n++] = t;
+        } else {
+            copier.submit(mark, fg, t);
+        }
+    };
     // three tiers (runs of one expert): from the RAM tier when it holds the expert's bytes; through it (read from
     // the file into its slot, then copied) when the policy has just put the expert there; else from the file
     const bool    tiered  = !L.ram_expert.empty();
@@ -332,7 +351,7 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
             t.slot     = s + i;
             t.rams     = through ? L.ram_tensors.data() : nullptr;
             t.ram_slot = s2;
-            copier.submit(mark, fg, t);
+            submit(t);
             L.stats.copies++;
             L.stats.copy_bytes += (uint64_t) t.size;
         }
@@ -354,10 +373,13 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
             } else {
                 t.src = (const char *) b.src->data + (size_t) e*b.stride;
             }
-            copier.submit(mark, fg, t);
+            submit(t);
             L.stats.copies++;
             L.stats.copy_bytes += (uint64_t) t.size;
         }
+    }
+    if (prefetch) {
+        copier.submit_prefetch(mark, s, pf_ts, pf_n);
     }
     if (through) {
         L.ram_expert[s2] = e;
@@ -391,7 +413,7 @@ static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expe
             t.expert = e;
             t.banks  = L.ram_tensors.data();
             t.slot   = s2;
-            copier.submit(2*il + 1, false, t);
+            copier.submit(mark_bg(il), false, t);
             L.ram_expert[s2] = e;
             continue;
         }
@@ -404,17 +426,20 @@ static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expe
             t.file     = b.file;
             t.file_off = b.file_off + (uint64_t) e*b.stride;
             t.name     = ggml_get_name(b.src);
-            copier.submit(2*il + 1, false, t);
+            copier.submit(mark_bg(il), false, t);
         }
         L.ram_expert[s2] = e;
     }
 }
 
-void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched, int32_t n_fetched) {
+void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched, int32_t n_fetched,
+                               bool prefetch) {
     if (no_alloc) {
         return;
     }
     auto & L = layers[il];
+    // host=file with host reader threads: each prefetched expert one droppable read (runs of one expert)
+    const bool pf_drop = prefetch && !files.empty() && L.copier->prefetch_droppable();
     const auto t_start = std::chrono::steady_clock::now();
 
     // a slot whose new expert the current ubatch computes with is a synchronous fetch; any other change is a
@@ -459,7 +484,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             continue;
         }
         int32_t n = 1;
-        while (L.ram_expert.empty() && s + n < n_slots && policy.expert_of(s + n) == e + n && L.bank_expert[s + n] != e + n &&
+        while (!pf_drop && L.ram_expert.empty() && s + n < n_slots && policy.expert_of(s + n) == e + n && L.bank_expert[s + n] != e + n &&
                L.slot_state[s + n] == LLAMA_EXPERT_SLOT_READY && is_fetch(e + n) == fg) {
             ++n;
         }
@@ -483,6 +508,22 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             if (r.fg != fg) {
                 continue;
             }
+            if (!fg && pf_drop) {
+                // a droppable prefetch read: LOADING until settle_prefetch at the layer's next step
+                llama_expert_engine_layer::prefetch_read p;
+                p.slot       = r.s;
+                p.expert     = r.e;
+                p.ram_slot   = L.ram_expert.empty() ? -1 : policy.ram_slot_of(r.e);
+                p.ram_before = p.ram_slot >= 0 ? L.ram_expert[p.ram_slot] : -1;
+                const uint64_t copies0 = L.stats.copies, bytes0 = L.stats.copy_bytes;
+                copy_run(L, il, policy, r.s, r.e, 1, *L.copier, false, pack.get(), /*prefetch =*/ true);
+                p.copies = L.stats.copies - copies0;
+                p.bytes  = L.stats.copy_bytes - bytes0;
+                L.slot_state[r.s] = LLAMA_EXPERT_SLOT_LOADING;
+                L.prefetching.push_back(p);
+                L.stats.background_experts++;
+                continue;
+            }
             // the synchronous copier (CPU builds by default): an admission still goes through the LOADING state until
             // the layer's next route step
             copy_run(L, il, policy, r.s, r.e, r.n, *L.copier, fg, pack.get());
@@ -500,7 +541,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             }
         }
         if (fg && fetched_async) {
-            L.copier->record(2*il);
+            L.copier->record(mark_fetch(il));
         }
     }
     if (!L.ram_expert.empty()) {
@@ -510,10 +551,13 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
         background = background || async;
     }
     if (background) {
-        L.copier->record(2*il + 1); // nothing to record for the synchronous copier
+        L.copier->record(mark_bg(il)); // nothing to record for the synchronous copier
     }
     if (fetched_async) {
-        L.copier->wait(2*il); // the ubatch computes with the fetched experts
+        const auto t_wait = std::chrono::steady_clock::now();
+        L.copier->wait(mark_fetch(il)); // the ubatch computes with the fetched experts
+        L.stats.fetch_wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - t_wait).count();
     }
     L.stats.copy_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now() - t_start).count();
@@ -525,7 +569,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
         return;
     }
     const auto t_start = std::chrono::steady_clock::now();
-    L.copier->wait(2*il + 1); // returns at once for the synchronous copier
+    L.copier->wait(mark_bg(il)); // returns at once for the synchronous copier
     L.ram_pending = false;
     const auto t_waited = std::chrono::steady_clock::now();
     L.stats.wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(t_waited - t_start).count();
@@ -546,6 +590,59 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
         L.stats.copy_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
             std::chrono::steady_clock::now() - t_waited).count();
     }
+}
+
+void llama_expert_engine::settle_prefetch(int32_t il, llama_expert_layer_policy & policy, const int32_t * fetched,
+                                          int32_t n_fetched) {
+    auto & L = layers[il];
+    if (L.prefetching.empty()) {
+        return;
+    }
+    auto used = [&](int32_t e) {
+        return fetched == nullptr || std::find(fetched, fetched + n_fetched, e) != fetched + n_fetched;
+    };
+    bool started = false;
+    // from the back of the copier's queue (it starts them from the front): none starts after its turn here
+    for (auto it = L.prefetching.rbegin(); it != L.prefetching.rend(); ++it) {
+        const auto & p = *it;
+        if (!L.copier->cancel_prefetch(mark_prefetch(il), p.slot)) {
+            started = true; // running or completed: waited for below
+            continue;
+        }
+        // not started: the slot (and the RAM-tier slot) still hold what they held; the copy never happened
+        L.bank_expert[p.slot] = -1; // (its old bytes are not tracked: an empty slot to the engine)
+        L.slot_state[p.slot]  = LLAMA_EXPERT_SLOT_READY;
+        if (p.ram_slot >= 0) {
+            L.ram_expert[p.ram_slot] = p.ram_before;
+        }
+        L.stats.copied_experts--;
+        L.stats.copies     -= p.copies;
+        L.stats.copy_bytes -= p.bytes;
+        L.stats.background_experts--;
+        L.stats.prefetch_cancelled++;
+        if (policy.expert_of(p.slot) != p.expert) {
+            continue; // evicted while the layer decided (prefetch_wasted): sync copies the slot's new expert
+        }
+        if (used(p.expert)) {
+            if (fetched != nullptr) {
+                L.stats.prefetch_late++; // read by sync, a fetch: the ubatch computes with it
+            }
+        } else {
+            // dropped: the slot empty in the policy too (were it not droppable, sync would read it as an admission)
+            policy.drop_prefetched(p.expert);
+        }
+    }
+    if (started) {
+        const auto t0 = std::chrono::steady_clock::now();
+        L.copier->wait(mark_prefetch(il)); // the one prefetch read in flight (the copier starts one at a time)
+        L.stats.prefetch_waits++;
+        L.stats.prefetch_wait_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - t0).count();
+    }
+    for (const auto & p : L.prefetching) {
+        L.slot_state[p.slot] = LLAMA_EXPERT_SLOT_READY;
+    }
+    L.prefetching.clear();
 }
 
 int32_t llama_expert_engine::slot_for(int32_t il, const llama_expert_layer_policy & policy, int32_t expert) const {

@@ -85,6 +85,18 @@ struct llama_expert_engine_layer {
     std::vector<int32_t> bank_expert; // slot -> expert whose bytes the banks hold (-1: empty)
     std::vector<uint8_t> slot_state;  // llama_expert_slot_state per slot
     std::vector<int32_t> loading;     // slots with a background copy in flight, or deferred
+    // host=file: the prefetch reads issued into this layer's slots (droppable jobs of the copier), settled at the
+    // layer's next route step (settle_prefetch): the expert, its RAM-tier slot and that slot's expert before the
+    // prefetch (three tiers; -1: none), and what the job's submission added to the counters (undone when cancelled)
+    struct prefetch_read {
+        int32_t  slot;
+        int32_t  expert;
+        int32_t  ram_slot;
+        int32_t  ram_before;
+        uint64_t copies;
+        uint64_t bytes;
+    };
+    std::vector<prefetch_read> prefetching;
     std::vector<int32_t> ram_expert;  // three tiers: RAM slot -> expert whose bytes the RAM tier holds (-1: empty)
     bool                 ram_pending = false; // three tiers: RAM slot reads in flight (waited for by complete())
     llama_expert_copier * copier = nullptr; // copies into this layer's banks: its device's, or the synchronous one
@@ -122,7 +134,20 @@ struct llama_expert_engine {
     // is a synchronous fetch; any other change is a background admission, LOADING until complete() (DEFERRED,
     // when a copier runs and the slot before it is in use). Null: every change is synchronous (larger
     // ubatches, the prefill bypass, reset).
-    void sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched = nullptr, int32_t n_fetched = 0);
+    // prefetch: the changes are the prefetched experts of route_predict; with host=file and a copier whose prefetches
+    // are droppable (host reader threads) each is one droppable prefetch read (one expert, under the layer's prefetch
+    // mark), settled by settle_prefetch instead of complete(); otherwise background admissions.
+    void sync(int32_t il, const llama_expert_layer_policy & policy, const int32_t * fetched = nullptr, int32_t n_fetched = 0,
+              bool prefetch = false);
+
+    // host=file: settle the layer's prefetch reads, after the layer has decided its ubatch (fetched: the experts it
+    // computes with; null: all of them count as used) and before sync(): a read not started yet is cancelled (counter
+    // prefetch_cancelled); its expert, when the ubatch computes with it, is then read by sync() as a fetch
+    // (prefetch_late), and otherwise dropped from the residency (policy.drop_prefetched). One wait for the reads
+    // already started (at most one is, the copier runs one prefetch read at a time; prefetch_waits). A synchronous
+    // fetch thus never waits for a prefetch read that has not started.
+    void settle_prefetch(int32_t il, llama_expert_layer_policy & policy, const int32_t * fetched = nullptr,
+                         int32_t n_fetched = 0);
 
     // complete the layer's background copies (at its next route step, before deciding): wait for the copies
     // in flight, copy the deferred slots

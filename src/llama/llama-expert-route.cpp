@@ -101,11 +101,11 @@ static const float * route_gate(llama_expert_cache_layer & L, const int32_t * id
 
 // Prefetch, at the route step of the predicting layer L: the next MoE layer's top k (its router applied to L's
 // input; ranked by logit, or by probability plus selection bias as that layer selects; grouped routing is not
-// applied) for every token of the ubatch, into that layer's prediction. Engine, one-token ubatch: applied at
-// once, and its copies are issued in the background, so that they overlap the layers in between; otherwise the
-// predicted layer applies each token's prediction just before deciding it (the same decisions: nothing else
-// changes that layer's residency in between).
-static void route_predict(llama_expert_cache_layer & L, const ggml_tensor * dst, int64_t T, bool banked) {
+// applied) for every token of the ubatch, into that layer's prediction. Engine, one-token ubatch: applied at the end
+// of L's step (route_prefetch), and its copies are issued in the background, so that they overlap the layers in
+// between; otherwise the predicted layer applies each token's prediction just before deciding it (the same
+// decisions: nothing else changes that layer's residency in between).
+static void route_predict(llama_expert_cache_layer & L, const ggml_tensor * dst, int64_t T) {
     auto & cache = *L.cache;
     auto & N     = *cache.layers[L.next_moe];
     const ggml_tensor * pl = dst->src[L.src_pred];
@@ -137,14 +137,27 @@ static void route_predict(llama_expert_cache_layer & L, const ggml_tensor * dst,
         });
         std::copy(L.top.begin(), L.top.begin() + k, N.pred.begin() + t*k);
     }
+}
 
-    // (only for a token the predicted layer decides in this graph: its route op set the rows word)
-    if (cache.cfg.prefetch && cache.engine && banked && T == 1 && dst->op_params[LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS] == 1) {
+// Prefetch in engine mode, for a one-token ubatch (decode), at the end of the predicting layer L's route step: the
+// predicted layer's predicted experts admitted and their copies issued in the background, after L's own fetches
+// (which therefore never wait behind them), so that they overlap the compute of L and of the layers in between;
+// only for a token the predicted layer decides in this graph (its route op set the rows word).
+static void route_prefetch(llama_expert_cache_layer & L, const ggml_tensor * dst, int64_t T, bool banked) {
+    auto & cache = *L.cache;
+    auto & N     = *cache.layers[L.next_moe];
+    const int32_t k = cache.n_used;
+    if (cache.cfg.prefetch && cache.engine && banked && T == 1 && N.pred_tokens == T &&
+            dst->op_params[LLAMA_EXPERT_ROUTE_PARAM_PRED_ROWS] == 1) {
         // the predicted layer's previous background copies first: a slot is never overwritten while its copy runs
+        // (its prefetch reads were settled at its last step; settled here too should that step not have run)
         cache.engine->complete(N.il, N.policy);
+        cache.engine->settle_prefetch(N.il, N.policy);
         if (N.policy.prefetch_experts(N.pred.data(), k) > 0) {
             const int32_t none = -1;
-            cache.engine->sync(N.il, N.policy, &none, 0); // every change a background copy, waited for at N's step
+            // every change a background copy: host=file, a droppable prefetch read (settled at N's step, after N has
+            // decided); otherwise waited for at N's step
+            cache.engine->sync(N.il, N.policy, &none, 0, /*prefetch =*/ true);
         }
         N.pred_applied = true;
     }
@@ -168,6 +181,9 @@ static void route_engine(llama_expert_cache_layer & L, ggml_tensor * dst, int32_
                 }
             }
         }
+        // host=file: this layer's prefetch reads, now that the ubatch is decided: those not started are cancelled
+        // (read now as fetches when the ubatch uses them, dropped otherwise), so no fetch waits behind them
+        cache.engine->settle_prefetch(L.il, L.policy, L.fetched.data(), (int32_t) L.fetched.size());
         cache.engine->sync(L.il, L.policy, L.fetched.data(), (int32_t) L.fetched.size());
         for (int64_t t = 0; t < T; ++t) {
             int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
@@ -180,6 +196,7 @@ static void route_engine(llama_expert_cache_layer & L, ggml_tensor * dst, int32_
         }
     } else {
         // engine, larger ubatch: computed with the full expert tensors; the banks follow the residency
+        cache.engine->settle_prefetch(L.il, L.policy);
         cache.engine->sync(L.il, L.policy);
     }
 }
@@ -242,6 +259,9 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
                 L.warm_counts[id[r]]++;
             }
         }
+        if (cache.engine) {
+            cache.engine->settle_prefetch(L.il, L.policy); // (before the residency changes)
+        }
         llama_expert_policy_warm(L.policy, L.warm_counts);
         if (cache.engine) {
             cache.engine->sync(L.il, L.policy);
@@ -253,7 +273,7 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
     }
 
     if (L.src_pred >= 0) {
-        route_predict(L, dst, T, banked);
+        route_predict(L, dst, T);
     }
     // this layer's prediction, made by the previous MoE layer for this ubatch (a graph whose last layer computes
     // only the output tokens has none for that layer: its rows are not those of the prediction)
@@ -328,6 +348,9 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     if (cache.engine) {
         route_engine(L, dst, k, T, banked);
+        if (L.src_pred >= 0) {
+            route_prefetch(L, dst, T, banked);
+        }
     }
 
     L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
