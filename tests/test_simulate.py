@@ -77,7 +77,7 @@ def counters(tokens: int, token_layers: int, fetches: int, admissions: int, hit_
             "host_computes": 0, "skips": 0, "admissions": admissions, "evictions": 0, "subst_first_choice": 0,
             "forced_substitutions": 0,
             "token_layers": token_layers, "token_layers_with_subst": 5, "ram_tier_loads": 0, "file_loads": 0,
-            "prefetches": 0, "prefetch_used": 0, "prefetch_wasted": 0,
+            "prefetches": 0, "prefetch_used": 0, "prefetch_wasted": 0, "prefetch_dropped": 0,
             "max_subst_weight": 0.1,
             "subst_mass_sum": 2.0, "tokens": tokens, "substituted_mass": 2.0 / token_layers,
             "fetches_per_token": fetches / tokens, "drop_mass_sum": 0.0, "hit_rate": hit_rate,

@@ -18,7 +18,7 @@ def test_parse_captured_engine_metrics() -> None:
     # every counter of src/include/llama-expert-counters.h: times under `seconds`, the rest under `counters`
     counts = [c for c in ENGINE_COUNTERS if not c.endswith("_ns")]
     assert set(m.counters) == {*POLICY_COUNTERS, *counts, "bypass_token_layers"}
-    assert set(m.seconds) == {"route", "copy", "copy_wait", "file_read"}
+    assert set(m.seconds) == {"route", "copy", "copy_wait", "fetch_wait", "file_read", "prefetch_wait"}
     assert m.counters["calls"] == 864 and m.counters["hits"] + m.counters["misses"] == 864
     assert m.counters["copied_experts"] == 52 and m.counters["copy_bytes"] == 7667712
     assert m.seconds["route"] == pytest.approx(0.00157997)

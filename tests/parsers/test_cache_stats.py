@@ -19,7 +19,7 @@ def _counters(**over: Any) -> dict[str, Any]:
                          "subst_first_choice": 0,
                          "forced_substitutions": 0, "token_layers": 2000, "token_layers_with_subst": 500,
                          "ram_tier_loads": 0, "file_loads": 0,
-                         "prefetches": 0, "prefetch_used": 0, "prefetch_wasted": 0,
+                         "prefetches": 0, "prefetch_used": 0, "prefetch_wasted": 0, "prefetch_dropped": 0,
                          "max_subst_weight": 0.149, "subst_mass_sum": 40.0, "tokens": 1000,
                          "substituted_mass": 0.02, "fetches_per_token": 1.4, "drop_mass_sum": 0.0, "hit_rate": 0.75,
                          "miss_rate": 0.25, "substitution_rate": 0.075, "mass_hist": [1500, 400] + [0] * 18}
