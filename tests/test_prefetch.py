@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,3 +289,107 @@ def test_prefetch_predicts_better_than_a_random_predictor(models: dict[str, Path
     assert engine == pytest.approx(t_emu["prefetch_used"] / t_emu["prefetches"])  # the replay is the run
     assert engine >= 2.5 * chance, (engine, chance)  # measured: 0.24 against 0.06
 
+
+
+# ---- the file tier (host=file): prefetch may not slow the synchronous path (issue 23, item 3) ----------------------
+
+def check_file_prefetch_counters(stats: dict[str, Any]) -> None:
+    """host=file: the dropped prefetches are neither used nor wasted; every cancelled read is uncounted from the copies
+    (one-token ubatches: copied = fetches + admissions + prefetches - cancelled + late, less the deferred pending)."""
+    for s in [stats["total"], *stats["layers"]]:
+        assert s["prefetch_used"] + s["prefetch_wasted"] + s["prefetch_dropped"] <= s["prefetches"]
+        # a drop empties a slot without an eviction, which a later admission fills without one
+        assert s["prefetches"] <= s["evictions"] + stats["config"]["slots"] + s["prefetch_dropped"]
+        assert s["hits"] + s["misses"] + s["skips"] == s["calls"]
+        assert s["fetches"] + s["substitutions"] + s["drops"] + s["host_computes"] == s["misses"]
+    assert stats["layers"][0]["prefetches"] == 0
+    assert stats["total"]["prefetches"] > 0 and stats["total"]["prefetch_used"] > 0
+    t, e = stats["total"], stats["engine"]
+    assert t["prefetch_dropped"] + e["prefetch_late"] <= e["prefetch_cancelled"] <= t["prefetches"]
+    assert e["prefetch_late"] <= t["prefetch_used"]
+    assert e["background_experts"] == t["admissions"] + t["prefetches"] - e["prefetch_cancelled"]
+    pending = t["fetches"] + t["admissions"] + t["prefetches"] - e["prefetch_cancelled"] + e["prefetch_late"] - \
+        e["copied_experts"]
+    assert 0 <= pending <= e["deferred_experts"]
+    # a route step waits for at most the one prefetch read started: at most once per predicted step
+    predicted_steps = sum(s["token_layers"] for s in stats["layers"][1:])
+    assert e["prefetch_waits"] <= predicted_steps
+    assert e["fetch_wait_ns"] <= e["copy_ns"]
+
+
+@pytest.mark.build
+def test_file_tier_fetch_all_with_prefetch_is_stock(models: dict[str, Path], text: Path, tmp_path: Path,
+                                                    stock_build: Build, patched_build: Build) -> None:
+    """Engine, host=file, fetch-all with prefetch, one-token ubatches: bit-identical to stock whatever happens to the
+    prefetch reads (here: every prefetch read held back 2 ms once started, so that most are cancelled)."""
+    model = models["qwen3moe"]
+    stock = run_ppl(stock_build, model, text, tmp_path / "stock", ubatch=1, nll_dump=False)
+    spec = "mode=engine,policy=fetch-all,slots=25%,host=file,prefetch=on"
+    pf = run_ppl(patched_build, model, text, tmp_path / "pf", spec, ubatch=1,
+                 env={"LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US": "2000"})
+    assert len(stock.logits) > 1000 and pf.logits == stock.logits  # bit for bit
+    assert pf.stats is not None
+    check_file_prefetch_counters(pf.stats)
+    t, e = pf.stats["total"], pf.stats["engine"]
+    assert t["admissions"] == 0 and t["substitutions"] == 0
+    assert e["prefetch_cancelled"] > 0 and t["prefetch_dropped"] > 0  # the hook made reads late: some were dropped
+    assert e["prefetch_waits"] > 0
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("readers", [1, 2])
+def test_file_tier_fetch_never_waits_for_a_prefetch(readers: int, models: dict[str, Path], text: Path,
+                                                    tmp_path: Path, patched_build: Build) -> None:
+    """Every prefetch read held back D = 100 ms once started (LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US), one or two
+    reader threads: a fetch that waited behind a prefetch read (queued before it, or in flight on every reader) would
+    wait about D. The fetches' total wait (fetch_wait_ns) stays far below D per step (the old order, prefetches queued
+    before the layer's own fetches, each reader taking one, made every step that prefetched wait about D for its
+    fetches); a route step waits for a started prefetch read at most once and for at most about D; and the prefetch
+    reads that ran (each D long) fit one after the other in the run's time: never two at once."""
+    delay_s = 0.1
+    model = models["qwen3moe"]
+    spec = f"mode=engine,policy=fetch-all,slots=25%,host=file,readers={readers},prefetch=on"
+    tmp = tmp_path / "pf"
+    tmp.mkdir()
+    stats_path = tmp / "stats.json"
+    env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"},
+           "LLAMA_MOE_CACHE": f"{spec},stats={stats_path}",
+           "LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US": str(int(delay_s * 1e6))}
+    t0 = time.monotonic()
+    res = subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "16",
+                          "-b", "16", "-ub", "1", "--chunks", "1", "-t", THREADS], env=env, capture_output=True,
+                         text=True, timeout=600)
+    wall_s = time.monotonic() - t0
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    stats = json.loads(stats_path.read_text())
+    check_file_prefetch_counters(stats)
+    t, e = stats["total"], stats["engine"]
+    assert t["prefetches"] > 0 and e["prefetch_waits"] > 0 and t["fetches"] > 0
+    steps = sum(s["token_layers"] for s in stats["layers"])
+    assert e["fetch_wait_ns"] / 1e9 < steps * delay_s / 4, (e["fetch_wait_ns"], steps)
+    assert e["prefetch_wait_ns"] / 1e9 <= e["prefetch_waits"] * delay_s * 1.5
+    completed = e["background_experts"]  # fetch-all admits nothing: the prefetch reads not cancelled
+    assert completed == t["prefetches"] - e["prefetch_cancelled"] and completed > 0
+    assert completed * delay_s <= wall_s, (completed, wall_s)
+
+
+@pytest.mark.build
+def test_file_tier_quality_with_prefetch_max(models: dict[str, Path], text: Path, tmp_path: Path,
+                                             patched_build: Build) -> None:
+    """quality, host=file, prefetch=on with prefetch_max=2: at most 2 prefetches per layer and token, the counters add
+    up; emulate admits the same budget (its copies idealised), and with the budget the engine prefetches no more than
+    without it."""
+    model = models["qwen3moe"]
+    base = "policy=quality,slots=25%,host=file,prefetch=on"
+    eng = run_ppl(patched_build, model, text, tmp_path / "eng", f"mode=engine,{base},prefetch_max=2", ubatch=1)
+    emu = run_ppl(patched_build, model, text, tmp_path / "emu", f"mode=emulate,{base},prefetch_max=2", ubatch=1)
+    assert eng.stats is not None and emu.stats is not None
+    check_file_prefetch_counters(eng.stats)
+    assert eng.stats["config"]["prefetch_max"] == 2 and emu.stats["config"]["prefetch_max"] == 2
+    for st in (eng.stats, emu.stats):
+        for layer in st["layers"]:
+            assert layer["prefetches"] <= 2 * layer["token_layers"]
+    assert emu.stats["total"]["prefetch_dropped"] == 0  # emulate's copies complete in time: nothing is dropped
+    # where the engine dropped nothing its decisions are emulate's (the residency changes only by a drop)
+    if eng.stats["total"]["prefetch_dropped"] == 0:
+        assert eng.stats["total"] == emu.stats["total"]
