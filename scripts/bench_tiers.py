@@ -848,8 +848,9 @@ def full_scale(argv: list[str]) -> int:
 
 def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[str, str | None]:
     """The table of a full-scale run from its raw records and summary.json alone (and the headline's stock)."""
-    from harness.domain.tiers import PACK_ROW, better_stock, check_run_record, pack_verdict, summarize_runs
-    from harness.report.tiers import render_pack_verdicts, render_tiers_table
+    from harness.domain.tiers import (PACK_ROW, better_stock, check_run_record, pack_verdict, prefetch_pairs,
+                                      prefetch_verdict, summarize_runs)
+    from harness.report.tiers import render_pack_verdicts, render_prefetch_verdicts, render_tiers_table
     from harness.stats.intervals import DeltaPPL
 
     for r in records:
@@ -867,11 +868,20 @@ def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> 
                   if q["delta_pct"] is not None else None) for p, q in quality.get("rows", {}).items()}
     label = (f"{quality['model']}, emulate, {quality['slots']}/{quality['n_expert']} slots" if quality else "not run")
     table = render_tiers_table(rows, stock_configs, best, deltas, label)
+    samples: dict[str, list[float]] = {}
+    configs: list[str] = []
+    for r in records:
+        if r.get("kind") == "decode":
+            if str(r["config"]) not in samples:
+                configs.append(str(r["config"]))
+            samples.setdefault(str(r["config"]), []).extend(float(x) for x in r["chunk_ts"])
+    pairs = prefetch_pairs(configs)
+    if pairs:
+        pv = [prefetch_verdict(p, q, samples[p], samples[q]) for p, q in pairs]
+        table += ("\nPrefetch on the file tier: each policy with and without prefetch=on, same residency and "
+                  "sequences (harness.domain.tiers.prefetch_verdict: pays when the ratio's 95% CI is above 1):\n\n"
+                  + render_prefetch_verdicts(pv))
     if pack and bw and pack_bw:
-        samples: dict[str, list[float]] = {}
-        for r in records:
-            if r.get("kind") == "decode":
-                samples.setdefault(str(r["config"]), []).extend(float(x) for x in r["chunk_ts"])
         by_row = {r.config: r for r in rows}
         verdicts = []
         for pc in pack.get("configs", []):

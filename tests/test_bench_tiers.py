@@ -28,6 +28,8 @@ from harness.domain.tiers import (
     expert_read_spans,
     floors,
     pack_verdict,
+    prefetch_pairs,
+    prefetch_verdict,
     record_read_spans,
     rotated_trace,
     run_record,
@@ -210,6 +212,27 @@ def test_pack_verdict_rule() -> None:
     v = pack_verdict("fetch-all", three, slow, 300e6, 900e6, 0.9)
     assert v.bound is not None and v.bound >= PACK_TARGET and "unexplained by the probes" in v.verdict
     assert pack_verdict("speed", three, [], 1.0, 1.0, None).verdict.startswith("not measured")
+
+
+def test_prefetch_pairs_and_verdict_rule() -> None:
+    """Each `P,prefetch=on` row pairs with its row `P` (prefetch_max= dropped too, other keys kept, the same row
+    suffix); the verdict: pays when the ratio's 95% CI is above 1, loses when it is below 1, else not
+    distinguishable."""
+    configs = ["stock", "quality", "quality,prefetch=on", "fetch-all,tau_file=0.3",
+               "fetch-all,tau_file=0.3,prefetch=on,prefetch_max=2", "speed,prefetch=on", "quality (pack)",
+               "quality,prefetch=on (pack)", "quality,prefetch=off"]
+    assert prefetch_pairs(configs) == [("quality", "quality,prefetch=on"),
+                                       ("fetch-all,tau_file=0.3", "fetch-all,tau_file=0.3,prefetch=on,prefetch_max=2"),
+                                       ("quality (pack)", "quality,prefetch=on (pack)")]  # speed: no row without
+    off = [6.5, 6.8, 7.0, 6.6]
+    v = prefetch_verdict("quality", "quality,prefetch=on", off, [8.0, 8.2, 7.9, 8.1])
+    assert v.verdict.startswith("pays") and v.ratio is not None and v.ratio[1] > 1
+    assert v.ratio[0] == pytest.approx(np.mean([8.0, 8.2, 7.9, 8.1]) / np.mean(off))
+    v = prefetch_verdict("quality", "quality,prefetch=on", off, [2.8, 3.0, 3.2, 2.9])
+    assert v.verdict.startswith("loses") and v.ratio is not None and v.ratio[2] < 1
+    v = prefetch_verdict("quality", "quality,prefetch=on", off, [6.0, 7.4, 6.4, 7.2])
+    assert v.verdict.startswith("not distinguishable")
+    assert prefetch_verdict("quality", "quality,prefetch=on", off, []).verdict.startswith("not measured")
 
 
 def test_record_read_spans_are_whole_aligned_records(tmp_path: Path) -> None:

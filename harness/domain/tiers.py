@@ -14,7 +14,9 @@
   committed records;
 - `--pack` (issue 23 item 4): `record_read_spans`, the disk probe's reads of whole-expert records of the expert pack
   (the engine's pattern with a pack), and `pack_verdict`, the rule that judges one read per expert against three
-  reads at the same policy (PACK_TARGET, written beside it).
+  reads at the same policy (PACK_TARGET, written beside it);
+- prefetch (issue 23 item 3): `prefetch_pairs`, each `P,prefetch=on` row with its row `P`, and `prefetch_verdict`,
+  the rule that says whether prefetch pays on the file tier (written before any run).
 """
 
 from __future__ import annotations
@@ -377,3 +379,63 @@ def pack_verdict(policy: str, three: Sequence[float], pack: Sequence[float], sli
                "of the serial floor)" if bound is not None else "no probe bound (no I/O share)")
         verdict = f"not met ({ci}), unexplained by the probes: {why}"
     return PackVerdict(policy, t3, tp, ratio, slice_bps, record_bps, io_share, bound, verdict)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# prefetch on the file tier (issue 23 item 3)
+
+PREFETCH_KEYS = ("prefetch", "prefetch_max")  # the spec keys that make a policy entry the prefetch row of another
+
+
+def prefetch_pairs(configs: Sequence[str]) -> list[tuple[str, str]]:
+    """(P, P with prefetch) for every config entry with `prefetch=on` whose entry without the prefetch keys
+    (`prefetch=`, `prefetch_max=`) is a config too, in the order of the configs: "quality,prefetch=on" pairs with
+    "quality", "quality,tau_file=0.3,prefetch=on,prefetch_max=2" with "quality,tau_file=0.3"."""
+    present = set(configs)
+    out = []
+    for c in configs:
+        name, suffix = c, ""  # a row's suffix (" (pack)", " (replay)") pairs with the same suffix
+        if c.endswith(")") and " (" in c:
+            name, suffix = c[:c.rindex(" (")], c[c.rindex(" ("):]
+        items = name.split(",")
+        if "prefetch=on" not in items[1:]:
+            continue
+        base = ",".join(it for it in items if "=" not in it or it.partition("=")[0] not in PREFETCH_KEYS) + suffix
+        if base in present and base != c:
+            out.append((base, c))
+    return out
+
+
+@dataclass(frozen=True)
+class PrefetchVerdict:
+    policy: str
+    prefetch: str  # the row with prefetch
+    off_ts: float
+    on_ts: float
+    ratio: tuple[float, float, float] | None  # with / without prefetch, t/s, with its bootstrap 95% CI
+    verdict: str
+
+
+def prefetch_verdict(policy: str, prefetch: str, off: Sequence[float], on: Sequence[float]) -> PrefetchVerdict:
+    """The rule for prefetch on the file tier (written before any run; docs/expert-cache-engine.md): both rows' decode
+    t/s samples over the same distinct sequences, interleaved in the same rounds; ratio = mean t/s with prefetch /
+    mean t/s without, with a bootstrap 95% CI over the sequences.
+
+    - pays: the ratio and the CI's low end are above 1;
+    - loses: the CI's high end is below 1;
+    - otherwise not distinguishable from prefetch off at this sample (the CI contains 1).
+    """
+    if not off or not on:
+        return PrefetchVerdict(policy, prefetch, math.nan, math.nan, None, "not measured (a row without samples)")
+    rc = ratio_ci(list(on), list(off))
+    ci = f"{rc.ratio:.2f}x [95% CI {rc.low:.2f}, {rc.high:.2f}]"
+    if rc.ratio > 1.0 and rc.low > 1.0:
+        verdict = f"pays: {ci} the t/s without prefetch"
+    elif rc.high < 1.0:
+        verdict = f"loses: {ci} the t/s without prefetch"
+    elif not (math.isfinite(rc.low) and math.isfinite(rc.high)):
+        verdict = f"not decided: {rc.ratio:.2f}x, no CI (fewer than 2 samples in a row)"
+    else:
+        verdict = f"not distinguishable: {ci} (the CI contains 1)"
+    return PrefetchVerdict(policy, prefetch, float(np.mean(off)), float(np.mean(on)), (rc.ratio, rc.low, rc.high),
+                           verdict)

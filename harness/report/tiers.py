@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from harness.domain.tiers import PACK_ROW, PACK_TARGET, PackVerdict, TierRow
+from harness.domain.tiers import PACK_ROW, PACK_TARGET, PackVerdict, PrefetchVerdict, TierRow
 from harness.stats.intervals import DeltaPPL
 
 
@@ -62,5 +62,15 @@ def render_pack_verdicts(verdicts: Sequence[PackVerdict]) -> str:
         cells = [v.policy, _f(v.three_ts), _f(v.pack_ts), _ratio(v.ratio), _f(v.slice_bps / 1e6, ".0f"),
                  _f(v.record_bps / 1e6, ".0f"), _f(100 * v.io_share if v.io_share is not None else None, ".0f") + "%",
                  _f(v.bound) + "x", v.verdict]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_prefetch_verdicts(verdicts: Sequence[PrefetchVerdict]) -> str:
+    """Prefetch on the file tier: each policy with and without prefetch, with the rule's verdict."""
+    head = ["policy", "t/s", "with prefetch", "t/s", "with / without [95% CI]", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for v in verdicts:
+        cells = [v.policy, _f(v.off_ts), v.prefetch, _f(v.on_ts), _ratio(v.ratio), v.verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
