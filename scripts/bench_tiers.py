@@ -848,8 +848,16 @@ def full_scale(argv: list[str]) -> int:
 
 def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[str, str | None]:
     """The table of a full-scale run from its raw records and summary.json alone (and the headline's stock)."""
-    from harness.domain.tiers import (PACK_ROW, better_stock, check_run_record, pack_verdict, prefetch_pairs,
-                                      prefetch_verdict, summarize_runs)
+    from harness.domain.tiers import (
+        PACK_ROW,
+        better_stock,
+        check_run_record,
+        pack_verdict,
+        prefetch_counts,
+        prefetch_pairs,
+        prefetch_verdict,
+        summarize_runs,
+    )
     from harness.report.tiers import render_pack_verdicts, render_prefetch_verdicts, render_tiers_table
     from harness.stats.intervals import DeltaPPL
 
@@ -880,7 +888,7 @@ def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> 
         pv = [prefetch_verdict(p, q, samples[p], samples[q]) for p, q in pairs]
         table += ("\nPrefetch on the file tier: each policy with and without prefetch=on, same residency and "
                   "sequences (harness.domain.tiers.prefetch_verdict: pays when the ratio's 95% CI is above 1):\n\n"
-                  + render_prefetch_verdicts(pv))
+                  + render_prefetch_verdicts(pv, {q: prefetch_counts(records, q) for _, q in pairs}))
     if pack and bw and pack_bw:
         by_row = {r.config: r for r in rows}
         verdicts = []

@@ -436,3 +436,44 @@ def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, t
     table = (out / "table.md").read_text()
     assert "One read per expert" in table and "| fetch-all |" in table and "| quality (pack) |" in table
     assert sum(1 for line in table.splitlines() if "met" in line and line.startswith("| ")) >= 2
+
+
+@pytest.mark.build
+def test_full_scale_prefetch_rows_end_to_end(stock_build: Any, patched_build: Any, tmp_path: Path) -> None:
+    """--full-scale with a policy and its prefetch=on entry on a tiny model (not a measurement): both rows run in the
+    same rounds, the prefetch row's records carry its prefetch counters, and the table carries the prefetch verdict
+    rule's row for the pair."""
+    from harness.tools.cgroup import CgroupError, MemoryCgroup
+
+    try:
+        MemoryCgroup(64 << 20, "moe-subst-probe").close()
+    except CgroupError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    args = [sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--full-scale", "--layers", "2",
+            "--experts", "16", "--top-k", "4", "--embd", "64", "--ff", "64", "--heads", "4", "--kv-heads", "1",
+            "--compute-layers", "1", "--ram", "400M", "--reserve", "16M", "--slots", "50%", "--ctx", "256",
+            "--sequences", "2", "--tail-chunks", "2", "--rounds", "2", "--threads", "1", "--probe-reads", "30",
+            "--no-readahead", "--policies", "fetch-all;fetch-all,prefetch=on", "--quality-model", "none",
+            "--out", str(out), "--work", str(work)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    decode = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    decode = [r for r in decode if r["kind"] == "decode" and r["spec"]]
+    assert {r["config"] for r in decode} == {"fetch-all", "fetch-all,prefetch=on"}
+    for r in decode:
+        assert r["error"] is None, r
+        e = r["engine"]
+        if r["config"] == "fetch-all,prefetch=on":
+            assert ",prefetch=on" in r["spec"] and e["prefetches"] > 0, e
+            assert e["prefetch_used"] + e["prefetch_wasted"] + e["prefetch_dropped"] <= e["prefetches"]
+        else:
+            assert "prefetch" not in r["spec"] and e["prefetches"] == 0, e
+    table = (out / "table.md").read_text()
+    assert "Prefetch on the file tier" in table
+    rows = [line for line in table.splitlines()
+            if line.startswith("| fetch-all | ") and "fetch-all,prefetch=on" in line]
+    assert len(rows) == 1 and any(w in rows[0] for w in ("pays", "loses", "not distinguishable")), table
+    assert "prefetches/token" in rows[0]

@@ -180,7 +180,9 @@ _RUN_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 ENGINE_KEYS = ("tokens", "calls", "hits", "misses", "fetches", "substitutions", "admissions", "hit_rate",
                "substitution_rate", "fetches_per_token", "file_reads", "file_read_bytes", "file_read_ns",
-               "copied_experts", "slots", "pack_reads", "pack_read_bytes", "pack")
+               "copied_experts", "slots", "pack_reads", "pack_read_bytes", "pack", "fetch_wait_ns", "prefetches",
+               "prefetch_used", "prefetch_wasted", "prefetch_dropped", "prefetch_cancelled", "prefetch_late",
+               "prefetch_waits", "prefetch_wait_ns")
 
 
 def engine_counters(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -404,6 +406,25 @@ def prefetch_pairs(configs: Sequence[str]) -> list[tuple[str, str]]:
         if base in present and base != c:
             out.append((base, c))
     return out
+
+
+def prefetch_counts(records: Sequence[Mapping[str, Any]], config: str) -> str:
+    """What a prefetch row's engine did per token, summed over its decode records: prefetches, the share used,
+    dropped and late ones, waits for a started prefetch read (ms), the fetches' wait (ms)."""
+    keys = ("tokens", "prefetches", "prefetch_used", "prefetch_dropped", "prefetch_late", "prefetch_waits",
+            "prefetch_wait_ns", "fetch_wait_ns")
+    tot = dict.fromkeys(keys, 0)
+    for r in records:
+        if r.get("kind") == "decode" and r.get("config") == config and r.get("engine"):
+            for k in keys:
+                tot[k] += int(r["engine"].get(k, 0) or 0)
+    n = tot["tokens"]
+    if n <= 0:
+        return "-"
+    used = f"{100 * tot['prefetch_used'] / tot['prefetches']:.0f}%" if tot["prefetches"] else "-"
+    return (f"{tot['prefetches'] / n:.1f} prefetches/token, {used} used, {tot['prefetch_dropped'] / n:.1f} dropped "
+            f"and {tot['prefetch_late'] / n:.1f} late/token, {tot['prefetch_waits'] / n:.1f} waits/token "
+            f"({tot['prefetch_wait_ns'] / n / 1e6:.1f} ms), fetch wait {tot['fetch_wait_ns'] / n / 1e6:.1f} ms/token")
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,13 @@ def render_pack_verdicts(verdicts: Sequence[PackVerdict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_prefetch_verdicts(verdicts: Sequence[PrefetchVerdict]) -> str:
-    """Prefetch on the file tier: each policy with and without prefetch, with the rule's verdict."""
-    head = ["policy", "t/s", "with prefetch", "t/s", "with / without [95% CI]", "verdict"]
+def render_prefetch_verdicts(verdicts: Sequence[PrefetchVerdict], counts: Mapping[str, str]) -> str:
+    """Prefetch on the file tier: each policy with and without prefetch, with the rule's verdict and what the
+    prefetch row's engine did (counts: prefetch row -> harness.domain.tiers.prefetch_counts)."""
+    head = ["policy", "t/s", "with prefetch", "t/s", "with / without [95% CI]", "verdict", "the prefetch row's engine"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for v in verdicts:
-        cells = [v.policy, _f(v.off_ts), v.prefetch, _f(v.on_ts), _ratio(v.ratio), v.verdict]
+        cells = [v.policy, _f(v.off_ts), v.prefetch, _f(v.on_ts), _ratio(v.ratio), v.verdict,
+                 counts.get(v.prefetch, "-")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
