@@ -318,13 +318,23 @@ def check_file_prefetch_counters(stats: dict[str, Any]) -> None:
 
 
 @pytest.mark.build
-def test_file_tier_fetch_all_with_prefetch_is_stock(models: dict[str, Path], text: Path, tmp_path: Path,
+@pytest.mark.parametrize("tier", ["two tiers", "three tiers", "expert pack"])
+def test_file_tier_fetch_all_with_prefetch_is_stock(tier: str, models: dict[str, Path], text: Path, tmp_path: Path,
                                                     stock_build: Build, patched_build: Build) -> None:
     """Engine, host=file, fetch-all with prefetch, one-token ubatches: bit-identical to stock whatever happens to the
-    prefetch reads (here: every prefetch read held back 2 ms once started, so that most are cancelled)."""
+    prefetch reads (here: every prefetch read held back 2 ms once started, so that most are cancelled), reading each
+    tensor's slice from the model file, through a RAM tier (a cancelled read leaves the RAM slot as it was), or
+    whole experts from an expert pack."""
     model = models["qwen3moe"]
     stock = run_ppl(stock_build, model, text, tmp_path / "stock", ubatch=1, nll_dump=False)
     spec = "mode=engine,policy=fetch-all,slots=25%,host=file,prefetch=on"
+    if tier == "three tiers":
+        spec += ",ram_slots=50%"
+    elif tier == "expert pack":
+        from harness.orchestration.pack import write_pack
+
+        pack = write_pack(model, tmp_path / "model.moe-pack").path
+        spec += f",pack={pack}"
     pf = run_ppl(patched_build, model, text, tmp_path / "pf", spec, ubatch=1,
                  env={"LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US": "2000"})
     assert len(stock.logits) > 1000 and pf.logits == stock.logits  # bit for bit
@@ -332,6 +342,10 @@ def test_file_tier_fetch_all_with_prefetch_is_stock(models: dict[str, Path], tex
     check_file_prefetch_counters(pf.stats)
     t, e = pf.stats["total"], pf.stats["engine"]
     assert t["admissions"] == 0 and t["substitutions"] == 0
+    if tier == "expert pack":
+        assert e["pack_reads"] == e["file_reads"] > 0
+    if tier == "three tiers":
+        assert t["file_loads"] > 0
     assert e["prefetch_cancelled"] > 0 and t["prefetch_dropped"] > 0  # the hook made reads late: some were dropped
     assert e["prefetch_waits"] > 0
 
