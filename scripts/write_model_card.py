@@ -271,7 +271,7 @@ def studymoe_card(work: Path) -> int:
     d, L, E, k, f, V = (cfg[x] for x in ("d_model", "n_layer", "n_expert", "top_k", "d_expert", "vocab_size"))
     active = active_params(cfg)
     heldout_evals = [r for r in log if "heldout_loss" in r]
-    steps = log[-1]["step"] + 1
+    steps = log[-1]["step"]  # the log's step counts the steps done (tokens = step x batch x n_ctx)
 
     # bits per byte against the targets (two thirds of tinymoe's)
     bpb_rows, bpb = [], {}
