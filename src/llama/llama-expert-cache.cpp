@@ -79,6 +79,20 @@ static std::string expert_cache_model_path(const llama_model & model) {
     return it == g_model_path.end() ? "" : it->second;
 }
 
+// the auto plan line of each model's last context (llama_expert_cache_auto_line), under the same mutex
+static std::map<const llama_model *, std::string> g_auto_line;
+
+static void expert_cache_set_auto_line(const llama_model & model, const std::string & line) {
+    std::lock_guard<std::mutex> lock(g_model_path_mutex);
+    g_auto_line[&model] = line;
+}
+
+std::string llama_expert_cache_auto_line(const llama_model & model) {
+    std::lock_guard<std::mutex> lock(g_model_path_mutex);
+    const auto it = g_auto_line.find(&model);
+    return it == g_auto_line.end() ? "" : it->second;
+}
+
 //
 // construction
 //
@@ -97,6 +111,9 @@ static void replay_needs_cache(const llama_model & model) {
 }
 
 std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory) {
+    if (!model.hparams.no_alloc) {
+        expert_cache_set_auto_line(model, ""); // this context's plan line, if auto makes one
+    }
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
         replay_needs_cache(model);
@@ -184,7 +201,11 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
         }
     }
     if (!model.hparams.no_alloc) {
-        LLAMA_LOG_INFO("llama_expert_cache: auto: %s: %s\n", plan.off ? "off" : run.c_str(), plan.why.c_str());
+        // a warning, so that the tools show it at their default verbosity (common shows libllama's info lines only
+        // from -lv 4): the user sees what auto chose and why, in one line
+        const std::string line = std::string(plan.off ? "off" : run) + ": " + plan.why;
+        LLAMA_LOG_WARN("llama_expert_cache: auto: %s\n", line.c_str());
+        expert_cache_set_auto_line(model, line);
     }
     return run;
 }
