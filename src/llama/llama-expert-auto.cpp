@@ -58,6 +58,10 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     if (m.n_expert <= 0 || m.k <= 0 || m.per_slot == 0) {
         return auto_off("the model has no routed experts: the cache has nothing to hold");
     }
+    if (!m.remote.empty()) {
+        return auto_off("MoE layers are on " + m.remote + ", a device reached over the network (ggml-rpc): the cache "
+            "serves local layers only, so the model runs stock");
+    }
 
     // what the process holds in RAM with the cache off: every weight in host memory (mmap: its pages), the context,
     // the compute buffers and the runtime; a GPU holds the rest

@@ -28,6 +28,7 @@ struct llama_expert_auto_model {
     bool     experts_host = true;  // the routed experts are in host memory (false: on a device, with the rest)
     bool     mapped       = true;  // the routed experts are mapped from the model file (host=file can read them)
     bool     repacked     = false; // an expert tensor is in a repacked CPU layout (the engine copies plain rows)
+    std::string remote;            // a MoE layer is on a device reached over the network (ggml-rpc): its name
     // a GPU holds the MoE layers: its free memory now, and what of ours it holds already (the vram= budget counts them)
     bool     gpu         = false;
     uint64_t dev_free    = 0;

@@ -182,7 +182,21 @@ static void test_tuned_policy() {
     CHECK(p.off && p.spec() == "mode=off" && p.why == why);
 }
 
+// MoE layers on a remote device (ggml-rpc): off, naming it, whatever the memory says
+static void test_remote_layers() {
+    llama_expert_auto_model m = big_model();
+    m.gpu = true;
+    m.remote = "RPC0 (127.0.0.1:50052)";
+    m.dev_free = 64*GiB;
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "RPC0 (127.0.0.1:50052)") && has(p.why, "runs stock"));
+    m.remote.clear();
+    p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!p.off);
+}
+
 int main() {
+    test_remote_layers();
     test_cpu_plans();
     test_tuned_policy();
     test_gpu_plans();
