@@ -6,13 +6,14 @@ import each other in a circle (tests/test_layers.py checks both):
 - `cli`: the `harness` command, an argparse adapter (parse, call one function, render); `cli.options` holds the
   options that several commands share.
 - `orchestration`: the commands: compare (its `planner`, run `executor`, `serialise`r of records and options,
-  `summary` statistics), sweep, frontier, topics, study, check, simulate, doctor, bpb, and `rerender` (`harness
-  report`).
+  `summary` statistics), sweep, frontier, topics, study, check, simulate, doctor, bpb, `pack` (the expert pack's
+  writer and its full check), and `rerender` (`harness report`).
   They run tools, summarise and write report.md through the report layer.
 - `report`: renderers, pure functions of results: terminal tables, markdown, simulate's tables, plots.
 - `domain`: what the layers hand each other: the policy `catalogue`, the perplexity `settings`, options,
   `plan`s (and the one residency -> slots rule, `plan.slots_for_residency`) and `results` of the commands, the cost
-  model, the tiers benchmark's floors, sequences and records (`tiers`). Frozen dataclasses and pure rules: nothing
+  model, the tiers benchmark's floors, sequences and records (`tiers`), the expert pack's layout and header
+  (`pack`). Frozen dataclasses and pure rules: nothing
   it imports starts a process or a thread (tests/test_layers.py).
 - `tools`: the outside world: `runners` of the built llama.cpp tools (the only place that starts them, with
   `chunked`: llama-perplexity timed chunk by chunk for the tiers benchmark) and the value types they take and return

@@ -24,7 +24,10 @@ is generated once into results/ (about 6 minutes on 2 cores).
 `--full-scale` (issue 23) is another benchmark: the study's whole geometry (48 layers) in an 8 GB budget, both stock
 readaheads, floors from the engine's own read pattern, decode over distinct sequences, raw records under eval/,
 each policy's delta-PPL beside its speed, optionally a trained model's routing replayed (`--full-scale --help`;
-docs/expert-cache-engine.md "The full-scale benchmark").
+docs/expert-cache-engine.md "The full-scale benchmark"). `--full-scale --pack` adds, per policy, a row that reads
+each missed expert in one read from the expert pack (written next to the model first when missing or stale) beside
+the three-read row, a disk probe in its pattern, and the verdict of the rule harness.domain.tiers.pack_verdict
+(target: one read >= 1.2x three reads where the disk is latency-bound, or the measured reason it is not).
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ from harness.tools.synth_layouts import dtype_of, n_bytes  # noqa: E402
 F32 = 0  # GGML_TYPE_F32
 
 
-def engine(policy: str, slots: str) -> str:
-    """The engine's spec for a policy item: a preset name, optionally with more keys ("quality,tau_file=0.3")."""
+def engine(policy: str, slots: str, pack: str = "off") -> str:
+    """The engine's spec for a policy item: a preset name, optionally with more keys ("quality,tau_file=0.3").
+    pack: off (three reads per expert, whatever lies next to the model) or the expert pack's path (one read)."""
     name, _, more = policy.partition(",")
-    return f"mode=engine,policy={name},slots={slots},host=file" + (f",{more}" if more else "")
+    return f"mode=engine,policy={name},slots={slots},host=file,pack={pack}" + (f",{more}" if more else "")
 
 
 def token_work(info: ModelInfo, doc: dict) -> TokenWork:  # type: ignore[type-arg]
@@ -454,6 +458,10 @@ def _full_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quality-text", type=Path, default=ROOT / "eval" / "data" / "heldout.txt")
     ap.add_argument("--quality-ctx", type=int, default=512)
     ap.add_argument("--quality-chunks", type=int, default=32)
+    ap.add_argument("--pack", action="store_true",
+                    help="also time every policy with the expert pack (one read per expert; MODEL.moe-pack, written "
+                    "first when missing or stale: the experts' size again on disk) beside three reads per expert, "
+                    "with a disk probe of whole-expert reads and the verdict (harness.domain.tiers.pack_verdict)")
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per run")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "bench-tiers-full")
     ap.add_argument("--work", type=Path, default=ROOT / "results" / "bench-tiers-full")
@@ -561,10 +569,12 @@ def full_scale(argv: list[str]) -> int:
     from contextlib import nullcontext
 
     from harness.domain.tiers import (
+        PACK_ROW,
         ExpertSlices,
         depth_scaled_compute_ms,
         engine_counters,
         expert_read_spans,
+        record_read_spans,
         rotated_trace,
         run_record,
         text_sequences,
@@ -633,11 +643,36 @@ def full_scale(argv: list[str]) -> int:
     if a.no_readahead:
         notes.append("readahead: --no-readahead: read_ahead_kb left as it is (one stock row)")
 
-    def engine_spec(p: str) -> str:
-        return engine(p, str(slots)) + f",readers={a.readers}"
+    # --pack: the expert pack next to the model (written when missing or stale), its rows beside the three-read rows
+    pack_path: Path | None = None
+    pack_layout = None
+    if a.pack:
+        from harness.domain.pack import default_pack_path
+        from harness.orchestration.pack import read_pack_header, write_pack
+
+        pack_path = default_pack_path(model)
+        st = model.stat()
+        try:
+            pack_layout = read_pack_header(pack_path) if pack_path.exists() else None
+        except HarnessError as e:
+            notes.append(f"pack: {e}: written again")
+        if pack_layout is None or (pack_layout.gguf_size, pack_layout.gguf_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            print(f"bench_tiers: writing the expert pack {pack_path}", file=sys.stderr)
+            try:
+                pack_layout = write_pack(model, pack_path).layout
+            except HarnessError as e:
+                sys.exit(f"bench_tiers: {e}")
+        notes.append(f"pack: {pack_path.name}, records of {pack_layout.layers[0].record_bytes} bytes; its rows "
+                     "'<policy> (pack)' read each missed expert in one read (pack=PATH: a mismatch fails the run), "
+                     "the others three (pack=off)")
+
+    def engine_spec(p: str, pack: Path | None = None) -> str:
+        return engine(p, str(slots), str(pack) if pack else "off") + f",readers={a.readers}"
 
     for p in policies:
         configs.append((p, "patched", engine_spec(p), None, False))
+        if pack_path is not None:
+            configs.append((p + PACK_ROW, "patched", engine_spec(p, pack_path), None, False))
     replay_traces: list[Path] = []
     if a.replay_trace is not None:
         h = read_trace_header(a.replay_trace)
@@ -721,6 +756,14 @@ def full_scale(argv: list[str]) -> int:
                 drop_cache(model)
                 probe = read_bandwidth(model, expert_read_spans(slices_info, a.probe_reads, a.seed + r), a.readers)
                 disk = {"round": r, **probe.as_dict()}
+                if pack_path is not None and pack_layout is not None:
+                    # the pack's pattern: whole-expert records (as many bytes as the slice probe, about)
+                    drop_cache(pack_path)
+                    n_rec = max(1, a.probe_reads // len(pack_layout.layers[0].tensors))
+                    pp = read_bandwidth(pack_path, record_read_spans(pack_layout, n_rec, a.seed + r), a.readers)
+                    disk["pack"] = pp.as_dict()
+                    print(f"bench_tiers: round {r + 1}/{a.rounds}: disk {pp.bytes_per_s / 1e6:.0f} MB/s in "
+                          "whole-expert reads of the pack", file=sys.stderr)
                 disk_samples.append(disk)
                 print(f"bench_tiers: round {r + 1}/{a.rounds}: disk {probe.bytes_per_s / 1e6:.0f} MB/s "
                       f"({'O_DIRECT' if probe.direct else 'buffered'}, {a.readers} readers, expert-slice reads)",
@@ -736,6 +779,8 @@ def full_scale(argv: list[str]) -> int:
                     if replay:
                         env["LLAMA_MOE_CACHE_TEST_REPLAY"] = str(replay_traces[r])
                     drop_cache(model)
+                    if pack_path is not None:
+                        drop_cache(pack_path)
                     guard = ra.set_for_run(kb) if (ra is not None and kb is not None) else nullcontext()
                     with guard:
                         run = run_chunked_perplexity(perplexity_args(bins[build], model, slice_files[r],
@@ -746,6 +791,9 @@ def full_scale(argv: list[str]) -> int:
                         err = "the engine did not say it replays the trace (LLAMA_MOE_CACHE_TEST_REPLAY ignored?)"
                         ts, reads = [], []
                     doc = json.loads(stats.read_text()) if sp and stats.exists() else None
+                    if doc is not None and err is None and name.endswith(PACK_ROW) != bool(doc["engine"].get("pack")):
+                        err = f"the engine's pack is {doc['engine'].get('pack')!r} in the row {name}"
+                        ts, reads = [], []
                     all_reads = (run.end_read_bytes - run.start_read_bytes
                                  if run.end_read_bytes is not None and run.start_read_bytes is not None else None)
                     record(run_record(
@@ -784,6 +832,12 @@ def full_scale(argv: list[str]) -> int:
         "stock_sequences": a.stock_sequences, "warmup": a.warmup, "tail_chunks": a.tail_chunks, "rounds": a.rounds,
         "threads": a.threads, "stock_configs": stock_configs, "quality": quality, "notes": notes,
         "interrupted": interrupted}
+    if pack_path is not None and pack_layout is not None:
+        pbws = [float(d["pack"]["MBps"]) * 1e6 for d in disk_samples if "pack" in d]
+        summary["pack"] = {"path": pack_path.name, "pack_bytes": pack_layout.pack_size,
+                           "record_bytes": [la.record_bytes for la in pack_layout.layers][:1],
+                           "disk_bytes_per_s_median": statistics.median(pbws) if pbws else None,
+                           "configs": [p + PACK_ROW for p in policies]}
     table, summary["headline_stock"] = full_scale_table(records, summary)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (a.out / "table.md").write_text(table)
@@ -794,21 +848,41 @@ def full_scale(argv: list[str]) -> int:
 
 def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[str, str | None]:
     """The table of a full-scale run from its raw records and summary.json alone (and the headline's stock)."""
-    from harness.domain.tiers import better_stock, check_run_record, summarize_runs
-    from harness.report.tiers import render_tiers_table
+    from harness.domain.tiers import PACK_ROW, better_stock, check_run_record, pack_verdict, summarize_runs
+    from harness.report.tiers import render_pack_verdicts, render_tiers_table
     from harness.stats.intervals import DeltaPPL
 
     for r in records:
         check_run_record(r)
     stock_configs = list(summary["stock_configs"])
     bw = summary.get("disk_bytes_per_s_median")
-    rows = summarize_runs(records, float(bw), float(summary["compute_ms_per_token"]), stock_configs) if bw else []
+    pack = summary.get("pack") or {}
+    pack_bw = pack.get("disk_bytes_per_s_median")
+    by_config = {c: float(pack_bw) for c in pack.get("configs", [])} if pack_bw else {}
+    rows = summarize_runs(records, float(bw), float(summary["compute_ms_per_token"]), stock_configs,
+                          by_config) if bw else []
     best = better_stock(rows, stock_configs)
     quality = summary.get("quality") or {}
     deltas = {p: (DeltaPPL(q["delta_pct"], q["low"], q["high"], 0.0, 0.0, q["n_tokens"] or 0, 0, 0, 0)
                   if q["delta_pct"] is not None else None) for p, q in quality.get("rows", {}).items()}
     label = (f"{quality['model']}, emulate, {quality['slots']}/{quality['n_expert']} slots" if quality else "not run")
-    return render_tiers_table(rows, stock_configs, best, deltas, label), best
+    table = render_tiers_table(rows, stock_configs, best, deltas, label)
+    if pack and bw and pack_bw:
+        samples: dict[str, list[float]] = {}
+        for r in records:
+            if r.get("kind") == "decode":
+                samples.setdefault(str(r["config"]), []).extend(float(x) for x in r["chunk_ts"])
+        by_row = {r.config: r for r in rows}
+        verdicts = []
+        for pc in pack.get("configs", []):
+            p = pc.removesuffix(PACK_ROW)
+            three = by_row.get(p)
+            share = (three.floors.io_ms / three.floors.serial_ms
+                     if three is not None and three.floors is not None and three.floors.serial_ms > 0 else None)
+            verdicts.append(pack_verdict(p, samples.get(p, []), samples.get(pc, []), float(bw), float(pack_bw), share))
+        table += ("\nOne read per expert (the expert pack) against three reads, same policy and residency "
+                  "(harness.domain.tiers.pack_verdict):\n\n" + render_pack_verdicts(verdicts))
+    return table, best
 
 
 def full_scale_rerender(out: Path) -> int:

@@ -55,7 +55,7 @@ def llama_logits(probe: Path, model: Path, ids: np.ndarray, n_ctx: int, n_vocab:
 
 
 def llama_perplexity(model: Path, text: Path, n_ctx: int, chunks: int | None = None,
-                     threads: int = 2, tries: int = 3) -> float:
+                     threads: int = 2, tries: int = 3, extra: tuple[str, ...] = ()) -> float:
     """llama-perplexity's final estimate. Its log lines go through an asynchronous logger; on a loaded
     machine we saw a run exit 0 without its last chunk and its 'Final estimate' line, so the output
     goes to files and a run without that line is repeated (up to `tries` times)."""
@@ -63,6 +63,7 @@ def llama_perplexity(model: Path, text: Path, n_ctx: int, chunks: int | None = N
            "-b", str(n_ctx), "-t", str(threads)]
     if chunks is not None:
         cmd += ["--chunks", str(chunks)]
+    cmd += list(extra)
     out = ""
     for _ in range(tries):
         with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
@@ -83,6 +84,8 @@ def main() -> int:
     ap.add_argument("--probe", default=str(ROOT / "build/llama_logits"))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "models/tinymoe-export-check.json"))
+    ap.add_argument("--quantized", default=None, help="a quantized copy of --model (e.g. models/studymoe-q8_0.gguf): "
+                    "its llama-perplexity on heldout.txt is added beside the F16 file's")
     args = ap.parse_args()
     model, work, probe = Path(args.model), Path(args.work), Path(args.probe)
 
@@ -150,6 +153,13 @@ def main() -> int:
         "rel_diff_first16chunks": abs(ppl_prefix - ev["ppl_pytorch_f16_weights_first16chunks"])
         / ev["ppl_pytorch_f16_weights_first16chunks"],
     }
+    if args.quantized:
+        q = Path(args.quantized)
+        # --no-repack: this VM advertises AVX-512/AMX, and stock llama.cpp's repack kernels die with SIGILL on Q8_0
+        ppl_q = llama_perplexity(q, ROOT / "eval/data/heldout.txt", cfg.n_ctx, extra=("--no-repack",))
+        qtype = q.stem.rsplit("-", 1)[-1]
+        res["perplexity"][f"llama_perplexity_{qtype}"] = ppl_q
+        res["perplexity"]["quantized_gguf"] = q.name
     print(json.dumps(res["perplexity"], indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

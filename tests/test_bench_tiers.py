@@ -18,6 +18,7 @@ import pytest
 
 from harness.core.errors import HarnessError
 from harness.domain.tiers import (
+    PACK_TARGET,
     RUN_SCHEMA,
     ExpertSlices,
     better_stock,
@@ -26,6 +27,8 @@ from harness.domain.tiers import (
     engine_counters,
     expert_read_spans,
     floors,
+    pack_verdict,
+    record_read_spans,
     rotated_trace,
     run_record,
     summarize_runs,
@@ -181,6 +184,47 @@ def test_summary_from_records() -> None:
     assert better_stock(list(rows.values()), ["stock A", "stock B"]) == "stock B"
 
 
+def test_pack_rows_use_their_own_disk_bandwidth() -> None:
+    recs = [_rec("fetch-all", [10.0], engine={"tokens": 100, "file_read_bytes": 2_500_000_000}),
+            _rec("fetch-all (pack)", [12.0], engine={"tokens": 100, "file_read_bytes": 2_500_000_000})]
+    rows = {r.config: r for r in summarize_runs(recs, 500e6, 40.0, [], {"fetch-all (pack)": 1000e6})}
+    assert rows["fetch-all"].floors is not None and rows["fetch-all"].floors.io_ms == pytest.approx(50.0)
+    assert rows["fetch-all (pack)"].floors is not None and rows["fetch-all (pack)"].floors.io_ms == pytest.approx(25.0)
+
+
+def test_pack_verdict_rule() -> None:
+    """met at >= 1.2x (conclusive when the CI's low end is too); below it, the probes' bound is the reason when it
+    is below 1.2x (a disk that is not latency-bound, or little I/O), else the miss is said to be unexplained."""
+    three, fast, slow = [10.0, 10.2, 9.8, 10.1], [13.0, 13.1, 12.9, 13.2], [10.5, 10.4, 10.6, 10.5]
+    v = pack_verdict("fetch-all", three, fast, 500e6, 900e6, 0.8)
+    assert v.ratio is not None and v.ratio[0] == pytest.approx(13.05 / 10.025) and v.verdict.startswith("met")
+    assert "(conclusive)" in v.verdict and v.bound == pytest.approx(1 / (0.2 + 0.8 * 500 / 900))
+    # not latency-bound: whole-expert reads no faster than slice reads, so the bound is 1x
+    v = pack_verdict("fetch-all", three, slow, 500e6, 500e6, 0.8)
+    assert v.verdict.startswith("not met") and "bound the gain at 1.00x" in v.verdict
+    assert "not latency-bound" in v.verdict
+    # latency-bound disk, but I/O a small part of the floor
+    v = pack_verdict("quality", three, slow, 300e6, 900e6, 0.1)
+    assert v.bound is not None and v.bound < PACK_TARGET and "I/O is 10%" in v.verdict
+    # the probes allow 1.2x and more, the runs did not get it
+    v = pack_verdict("fetch-all", three, slow, 300e6, 900e6, 0.9)
+    assert v.bound is not None and v.bound >= PACK_TARGET and "unexplained by the probes" in v.verdict
+    assert pack_verdict("speed", three, [], 1.0, 1.0, None).verdict.startswith("not measured")
+
+
+def test_record_read_spans_are_whole_aligned_records(tmp_path: Path) -> None:
+    from harness.domain.pack import PACK_ALIGN, plan_pack
+    from harness.parsers.gguf_model import read_model_info
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    layout = plan_pack(read_model_info(write_synth_model(SynthSpec(n_expert=8, n_expert_used=2), tmp_path / "m.gguf")),
+                       1, 1)
+    spans = record_read_spans(layout, 200, 3)
+    assert spans == record_read_spans(layout, 200, 3) and len(set(spans)) > 8
+    starts = {la.first_record + e * la.record_bytes: la.record_bytes for la in layout.layers for e in range(8)}
+    assert all(starts.get(off) == n and off % PACK_ALIGN == 0 for off, n in spans)
+
+
 def test_chunk_lines_and_times() -> None:
     out = "0.00 minutes\n[1]907.8196,[2]933.7420,[3]nan,[4]862.8397,\n\n"
     assert [m for m in CHUNK_RE.findall(out)] == ["1", "2", "3", "4"]
@@ -325,3 +369,47 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
         assert ra_file.read_text().strip() == "4096"  # restored
         assert {r["readahead_kb"] for r in decode if r["spec"] is None} == {4096, 128}
         assert summary["readahead"]["restored_kb"] == 4096
+
+
+@pytest.mark.build
+def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, tmp_path: Path) -> None:
+    """--full-scale --pack on a tiny model (not a measurement): the pack is written next to the model, each policy
+    has its three-read row (pack=off) and its pack row (pack=PATH), the pack rows read one record per expert, the
+    disk probe has the pack's pattern, and the table carries the verdict rule's rows."""
+    from harness.tools.cgroup import CgroupError, MemoryCgroup
+
+    try:
+        MemoryCgroup(64 << 20, "moe-subst-probe").close()
+    except CgroupError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    args = [sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--full-scale", "--pack", "--layers", "2",
+            "--experts", "16", "--top-k", "4", "--embd", "64", "--ff", "64", "--heads", "4", "--kv-heads", "1",
+            "--compute-layers", "1", "--ram", "400M", "--reserve", "16M", "--slots", "50%", "--ctx", "256",
+            "--sequences", "2", "--tail-chunks", "2", "--rounds", "2", "--threads", "1", "--probe-reads", "30",
+            "--no-readahead", "--policies", "fetch-all;quality", "--quality-model", "none",
+            "--out", str(out), "--work", str(work)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert list(work.glob("*.moe-pack"))
+    decode = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    decode = [r for r in decode if r["kind"] == "decode"]
+    assert {r["config"] for r in decode if r["spec"]} == {"fetch-all", "fetch-all (pack)", "quality", "quality (pack)"}
+    for r in decode:
+        assert r["error"] is None, r
+        if r["spec"] is None:
+            continue
+        e = r["engine"]
+        if r["config"].endswith("(pack)"):
+            assert ",pack=" in r["spec"] and "pack=off" not in r["spec"]
+            assert e["pack"] and e["pack_reads"] == e["file_reads"] == e["copied_experts"] > 0, e
+            assert "pack" in r["disk"] and r["disk"]["pack"]["MBps"] > 0
+        else:
+            assert "pack=off" in r["spec"] and e["pack"] == "" and e["pack_reads"] == 0 and e["file_reads"] > 0, e
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pack"]["configs"] == ["fetch-all (pack)", "quality (pack)"]
+    table = (out / "table.md").read_text()
+    assert "One read per expert" in table and "| fetch-all |" in table and "| quality (pack) |" in table
+    assert sum(1 for line in table.splitlines() if "met" in line and line.startswith("| ")) >= 2

@@ -127,3 +127,20 @@ def test_llama_cpp_python_without_a_cache(tmp_path: Path, bindings: Path, patche
         pytest.skip(f"{MODEL} is missing")
     py = _python(patched_build, None, tmp_path)
     assert py["counters"] is None and py["props"] is None and py["n"] == N_PREDICT
+
+
+@pytest.mark.build
+def test_the_generation_worker_honours_llama_arg_repack(bindings: Path, patched_build: Build, tmp_path: Path) -> None:
+    """LLAMA_ARG_REPACK=0 (llama.cpp's environment form of --no-repack) reaches the models the generation worker
+    loads (harness.tools.genworker): llama-cpp-python has no option for it, and a CPU whose repack kernels fail
+    (this VM on Q8_0) needs it."""
+    script = ("import llama_cpp.llama_cpp as lib\n"
+              "from harness.tools.genworker import _no_repack\n"
+              "before = lib.llama_model_default_params().use_extra_bufts\n"
+              "_no_repack()\n"
+              "print(before, lib.llama_model_default_params().use_extra_bufts)\n")
+    env = {**os.environ, **bindings_env(patched_build), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["True", "False"]

@@ -200,3 +200,31 @@ def test_generation_on_the_trained_model(tmp_path: Path, monkeypatch: pytest.Mon
     assert [json.loads(x)["key"] for x in lines] == ["meta", "gen:full", "gen:fetch-all", "gen:substitute-all"]
     again = run_generation(opts, read_model_info(MODEL))
     assert (opts.out / "results.jsonl").read_text().splitlines() == lines and again.rows == res.rows
+
+
+@pytest.mark.parametrize(("tokens", "loop"), [
+    ([5] * 16, (1, 16)),  # "0000..." : one token over and over
+    ([9, 8] + [1, 2, 3, 4, 5] * 4, (5, 20)),  # a 5-token line, four times to the end
+    ([1, 2, 3] * 5 + [7], None),  # a loop the generation left
+    ([1, 2, 3, 4, 5, 6] * 2, None),  # two periods are not a loop
+    (list(range(48)), None),  # no repetition
+    ([3, 1, 4, 1, 5, 9, 2, 6] * 2 + [3, 1, 4, 1, 5, 9, 2, 6] * 1, (8, 24)),  # 3 periods of 8, span 24 >= 16
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] * 2 + [1], None),  # period 11 needs 33 tokens
+    ([], None),
+])
+def test_a_generation_degenerates_when_it_ends_in_a_loop(tokens: list[int], loop: tuple[int, int] | None) -> None:
+    from harness.stats.degeneration import Loop, degenerates, loop_tail
+
+    got = loop_tail(tokens)
+    assert got == (None if loop is None else Loop(*loop))
+    assert degenerates(tokens) is (loop is not None)
+
+
+def test_the_full_models_degenerate_generations_per_kind() -> None:
+    from harness.domain.generation import degeneration
+
+    prompts = [Prompt("c1", "code", "def f():"), Prompt("c2", "code", "import os"), Prompt("p1", "prose", "NAME")]
+    full = {"c1": _gen([7] * 20), "c2": _gen(list(range(30))), "p1": _gen([1, 2] * 10)}
+    by = {d.kind: d for d in degeneration(prompts, full)}
+    assert (by["code"].share.k, by["code"].share.n, by["code"].ids) == (1, 2, ("c1",))
+    assert (by["prose"].share.k, by["prose"].share.n) == (1, 1) and by["all"].share.k == 2

@@ -67,6 +67,23 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from harness.orchestration import pack
+
+    if args.verify:
+        v = _with_progress("verify", lambda progress: pack.verify_pack(args.model, args.out, progress))
+        console.print(f"{v.path}: matches {args.model} ({len(v.layout.tensors)} expert tensors in "
+                      f"{len(v.layout.layers)} layers, checksum {v.layout.checksum:08x}; {v.seconds:.1f} s)",
+                      soft_wrap=True, highlight=False)
+        return 0
+    r = _with_progress("pack", lambda progress: pack.write_pack(args.model, args.out, progress))
+    rec = r.layout.layers[0].record_bytes
+    console.print(f"wrote {r.path} ({r.layout.pack_size / 2**20:.2f} MiB: {len(r.layout.layers)} layers x "
+                  f"{r.layout.n_expert} experts, records of {rec} bytes; checksum {r.layout.checksum:08x}; "
+                  f"{r.seconds:.1f} s)", highlight=False, soft_wrap=True)
+    return 0
+
+
 def _with_progress(name: str, run: Callable[[ProgressFn], T]) -> T:
     """Run `run(progress)` under a transient progress bar on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -687,6 +704,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "--ff-shexp)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_synth)
+
+    k = sub.add_parser("pack", help="write a model's expert pack next to it (each expert's tensors in one 4 KiB-"
+                       "aligned record: host=file reads a missed expert in one read), or --verify one")
+    k.add_argument("model", type=Path, help="a .gguf MoE model")
+    k.add_argument("--out", type=Path, help="the pack's path (default: MODEL.moe-pack, where host=file looks for it)")
+    k.add_argument("--verify", action="store_true", help="check an existing pack against the model in full: its "
+                   "header and the CRC-32 of every expert tensor, in the model and in the pack (reads both)")
+    k.set_defaults(func=_cmd_pack)
 
     _add_compare(sub)
     _add_sweep(sub)

@@ -20,6 +20,8 @@ from pathlib import Path
 from harness.core.errors import HarnessError
 
 CACHE_PATH_KEYS = ("stats", "trace", "profile", "profile_out")
+# keys that take a file path or one of some words (pack=auto|off|PATH: the expert pack, docs/expert-cache-engine.md)
+CACHE_PATH_OR_WORD_KEYS = {"pack": ("auto", "off")}
 # a process's own standard streams: open already, so opening them again never blocks (the engine allows them too,
 # src/llama/llama-expert-paths.h)
 # with /dev/null and /dev/full: devices that never block (the engine allows the same, llama-expert-paths.h)
@@ -62,9 +64,12 @@ def require_regular_file(path: str | os.PathLike[str], what: str) -> None:
 
 
 def check_cache_paths(items: Iterable[tuple[str, str]]) -> None:
-    """Refuse a special file given to one of CACHE_PATH_KEYS (the tool would block opening it)."""
+    """Refuse a special file given to one of CACHE_PATH_KEYS, or as the path of CACHE_PATH_OR_WORD_KEYS (the tool
+    would block opening it)."""
     for key, value in items:
         if key in CACHE_PATH_KEYS and not value.startswith(STANDARD_STREAMS):
+            refuse_special(value, f"{key}=")
+        elif key in CACHE_PATH_OR_WORD_KEYS and value not in CACHE_PATH_OR_WORD_KEYS[key]:
             refuse_special(value, f"{key}=")
 
 

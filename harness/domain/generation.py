@@ -24,8 +24,9 @@ from harness.core.errors import HarnessError
 from harness.domain.catalogue import FIRST_CHOICE_FETCHING, FULL, POLICIES, STUDY_POLICIES
 from harness.parsers.generation import final_number
 from harness.stats.agreement import BootMean, Proportion, agreeing_prefix, bootstrap_mean, identical, wilson
+from harness.stats.degeneration import degenerates
 from harness.stats.intervals import Correlation, pearson_fisher
-from harness.tools.datasets import Prompt
+from harness.tools.datasets import PROMPT_KINDS, Prompt
 
 # thresholds between the study's, for the mass-vs-agreement correlation (the rule-0.15 family)
 EXTRA_POLICIES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -86,7 +87,7 @@ class PromptOutcome:
 @dataclass(frozen=True)
 class KindRow:
     policy: str
-    kind: str  # gsm8k, humaneval, or "all"
+    kind: str  # one of PROMPT_KINDS, or "all"
     n: int
     prefix: BootMean
     same: Proportion
@@ -103,6 +104,32 @@ class MassAgreement:
 
 
 @dataclass(frozen=True)
+class Degeneration:
+    """How many of the full model's generations of one kind end in a loop (harness.stats.degeneration)."""
+
+    kind: str
+    share: Proportion
+    ids: tuple[str, ...]  # the prompts whose generation degenerates
+
+
+def prompt_kinds(prompts: Sequence[Prompt]) -> list[str]:
+    """The kinds present, in PROMPT_KINDS' order."""
+    return [k for k in PROMPT_KINDS if any(p.kind == k for p in prompts)]
+
+
+def degeneration(prompts: Sequence[Prompt], full: Mapping[str, Mapping[str, Any]]) -> tuple[Degeneration, ...]:
+    """Per kind (and "all" when there are several): the full model's generations that degenerate."""
+    bad = {p.id for p in prompts if p.id in full and degenerates(list(full[p.id]["tokens"]))}
+    kinds = prompt_kinds(prompts)
+    out = []
+    for k in [*kinds, *(["all"] if len(kinds) > 1 else [])]:
+        ps = [p for p in prompts if p.id in full and (k == "all" or p.kind == k)]
+        ids = tuple(p.id for p in ps if p.id in bad)
+        out.append(Degeneration(k, wilson(len(ids), len(ps)), ids))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     options: GenerateOptions
     slots: int
@@ -113,6 +140,7 @@ class GenerationResult:
     results_path: Path
     warnings: tuple[str, ...] = ()
     outcomes: dict[str, tuple[PromptOutcome, ...]] = field(default_factory=dict)
+    degenerate: tuple[Degeneration, ...] = ()  # the full model's generations, per kind (and "all")
 
 
 def outcomes(prompts: Sequence[Prompt], full: Mapping[str, Mapping[str, Any]],
@@ -152,7 +180,7 @@ def summarize(prompts: Sequence[Prompt], runs: Mapping[str, Mapping[str, Mapping
     FULL must be among them."""
     if FULL not in runs:
         raise HarnessError("the full model's generations are missing")
-    kinds = [k for k in ("gsm8k", "humaneval") if any(p.kind == k for p in prompts)]
+    kinds = prompt_kinds(prompts)
     rows: list[KindRow] = []
     per: dict[str, tuple[PromptOutcome, ...]] = {}
     for pol in policies:

@@ -11,7 +11,10 @@
   distinct routing (the replay starts each process at the same records);
 - the raw record of one run (`run_record`, `check_run_record`: schema RUN_SCHEMA, version RUN_SCHEMA_VERSION) and
   the summary rows computed from records only (`summarize_runs`), so that every figure can be recomputed from the
-  committed records.
+  committed records;
+- `--pack` (issue 23 item 4): `record_read_spans`, the disk probe's reads of whole-expert records of the expert pack
+  (the engine's pattern with a pack), and `pack_verdict`, the rule that judges one read per expert against three
+  reads at the same policy (PACK_TARGET, written beside it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from harness.core.errors import HarnessError
+from harness.domain.pack import PackLayout
 from harness.parsers.trace import ExpertTrace
 from harness.stats.intervals import mean_ci, ratio_ci
 
@@ -174,7 +178,7 @@ _RUN_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 ENGINE_KEYS = ("tokens", "calls", "hits", "misses", "fetches", "substitutions", "admissions", "hit_rate",
                "substitution_rate", "fetches_per_token", "file_reads", "file_read_bytes", "file_read_ns",
-               "copied_experts", "slots")
+               "copied_experts", "slots", "pack_reads", "pack_read_bytes", "pack")
 
 
 def engine_counters(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -252,8 +256,9 @@ class TierRow:
 
 
 def summarize_runs(records: Sequence[Mapping[str, Any]], disk_bytes_per_s: float, compute_ms: float,
-                   stock_configs: Sequence[str]) -> list[TierRow]:
-    """One row per decode config, in the order first seen, from its run records only."""
+                   stock_configs: Sequence[str], disk_by_config: Mapping[str, float] | None = None) -> list[TierRow]:
+    """One row per decode config, in the order first seen, from its run records only. disk_by_config: the disk
+    bandwidth of configs that read in another pattern (the expert pack's rows: whole-expert records)."""
     by: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         if r.get("kind") == "decode":
@@ -287,7 +292,8 @@ def summarize_runs(records: Sequence[Mapping[str, Any]], disk_bytes_per_s: float
             sub = float(np.mean([float(e["substitution_rate"]) for e in engines if "substitution_rate" in e])) if any(
                 "substitution_rate" in e for e in engines) else None
         per_tok = pbytes / tokens if tokens else math.nan
-        fl = floors(eb if eb is not None else per_tok, disk_bytes_per_s, compute_ms) if math.isfinite(
+        bw = (disk_by_config or {}).get(c, disk_bytes_per_s)
+        fl = floors(eb if eb is not None else per_tok, bw, compute_ms) if math.isfinite(
             eb if eb is not None else per_tok) else None
         rows.append(TierRow(c, len(xs), ci.mean, ci.half_width, vs, eb, per_tok, hit, sub, fl,
                             errors[0] if errors else None))
@@ -298,3 +304,76 @@ def better_stock(rows: Sequence[TierRow], stock_configs: Sequence[str]) -> str |
     """The stock config with the higher mean t/s: the headline ratio's denominator."""
     cands = [r for r in rows if r.config in stock_configs and r.n > 0]
     return max(cands, key=lambda r: r.mean_ts).config if cands else None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# one read per expert (--pack)
+
+PACK_ROW = " (pack)"  # the expert pack's row of a policy: "<policy> (pack)", beside "<policy>" (three reads)
+# The target (issue 23): one read per expert at least 1.2x the t/s of three reads at the same policy and residency,
+# where the disk is latency-bound; else the measured reason it is not.
+PACK_TARGET = 1.2
+
+
+def record_read_spans(layout: PackLayout, n: int, seed: int) -> list[tuple[int, int]]:
+    """`n` reads of the engine's pattern with an expert pack: a random layer, a random expert, its whole record
+    (aligned: one O_DIRECT read)."""
+    if not layout.layers:
+        raise HarnessError("the expert pack has no layers to read")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        la = layout.layers[rng.randrange(len(layout.layers))]
+        out.append((la.first_record + rng.randrange(layout.n_expert) * la.record_bytes, la.record_bytes))
+    return out
+
+
+@dataclass(frozen=True)
+class PackVerdict:
+    policy: str
+    three_ts: float
+    pack_ts: float
+    ratio: tuple[float, float, float] | None  # pack / three reads, t/s, with its bootstrap 95% CI
+    slice_bps: float  # the disk probe in the three-read pattern (one expert slice per read)
+    record_bps: float  # ... and in the pack's (one whole expert per read)
+    io_share: float | None  # the three-read row's I/O floor / its serial floor
+    bound: float | None  # the most one read per expert can gain from the probes: 1 / ((1 - s) + s * slice / record)
+    verdict: str
+
+
+def pack_verdict(policy: str, three: Sequence[float], pack: Sequence[float], slice_bps: float, record_bps: float,
+                 io_share: float | None) -> PackVerdict:
+    """The rule for one read per expert against three reads at the same policy (both rows' t/s samples over the
+    same distinct sequences, interleaved in the same rounds):
+
+    - met: the mean t/s ratio pack / three >= PACK_TARGET (1.2x); "conclusive" when its 95% CI's low end is too;
+    - not met, with the measured reason: the disk probes say what one read per expert can gain at most: the I/O part
+      of the three-read row's serial floor (io_share, s) shrinks by the ratio of the probes' bandwidths (the disk is
+      latency-bound when whole-expert reads run faster than slice reads), bound = 1 / ((1 - s) + s x slice/record).
+      A bound below 1.2x is the reason (the disk is not latency-bound enough here, or I/O is too small a part);
+      a bound at or above 1.2x with a measured ratio below it is a miss the probes do not explain (said as such).
+    """
+    if not three or not pack:
+        return PackVerdict(policy, math.nan, math.nan, None, slice_bps, record_bps, io_share, None,
+                           "not measured (a row without samples)")
+    rc = ratio_ci(list(pack), list(three))
+    ratio = (rc.ratio, rc.low, rc.high)
+    t3, tp = float(np.mean(three)), float(np.mean(pack))
+    speedup = record_bps / slice_bps if slice_bps > 0 else math.nan
+    bound = None
+    if io_share is not None and math.isfinite(speedup) and speedup > 0:
+        bound = 1.0 / ((1.0 - io_share) + io_share / speedup)
+    ci = f"{rc.ratio:.2f}x [95% CI {rc.low:.2f}, {rc.high:.2f}]"
+    if rc.ratio >= PACK_TARGET:
+        sure = "conclusive" if rc.low >= PACK_TARGET else f"not conclusive: the CI reaches below {PACK_TARGET}x"
+        verdict = f"met: one read per expert is {ci} three reads ({sure})"
+    elif bound is not None and bound < PACK_TARGET:
+        verdict = (f"not met ({ci}); the probes bound the gain at {bound:.2f}x: whole-expert reads ran at "
+                   f"{record_bps / 1e6:.0f} MB/s, slice reads at {slice_bps / 1e6:.0f} MB/s ({speedup:.2f}x: "
+                   f"{'not latency-bound' if speedup < PACK_TARGET else 'latency-bound'}), and I/O is "
+                   f"{100 * (io_share or 0):.0f}% of the three-read serial floor")
+    else:
+        why = (f"the probes allow up to {bound:.2f}x (reads {speedup:.2f}x faster, I/O {100 * (io_share or 0):.0f}% "
+               "of the serial floor)" if bound is not None else "no probe bound (no I/O share)")
+        verdict = f"not met ({ci}), unexplained by the probes: {why}"
+    return PackVerdict(policy, t3, tp, ratio, slice_bps, record_bps, io_share, bound, verdict)

@@ -22,7 +22,9 @@ from harness.domain.generation import (
     DEFAULT_PROMPTS,
     GenerateOptions,
     GenerationResult,
+    degeneration,
     generation_policy_items,
+    prompt_kinds,
     summarize,
 )
 from harness.domain.plan import slots_for_residency
@@ -127,8 +129,9 @@ def run_generation(opts: GenerateOptions, info: ModelInfo, *, env: Environment |
     if any(r.same.k != r.same.n for r in fa):
         warnings.append("fetch-all did not reproduce the full model's generations exactly: the emulation is not "
                         "exact here (it must be)")
-    n_kind = {k: sum(p.kind == k for p in prompts) for k in ("gsm8k", "humaneval")}
-    return GenerationResult(opts, slots, n_kind, rows, corr, full_answers, results.path, tuple(warnings), per)
+    n_kind = {k: sum(p.kind == k for p in prompts) for k in prompt_kinds(prompts)}
+    return GenerationResult(opts, slots, n_kind, rows, corr, full_answers, results.path, tuple(warnings), per,
+                            degeneration(prompts, runs[FULL]))
 
 
 def generation(opts: GenerateOptions, progress: Progress = no_progress, *,

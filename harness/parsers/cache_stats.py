@@ -24,7 +24,8 @@ POLICY_COUNTERS = ("calls", "hits", "misses", "fetches", "substitutions", "drops
                    "token_layers_with_subst", "ram_tier_loads", "file_loads", "prefetches", "prefetch_used",
                    "prefetch_wasted")
 ENGINE_COUNTERS = ("copied_experts", "copies", "copy_bytes", "copy_ns", "background_experts", "deferred_experts",
-                   "wait_ns", "file_reads", "file_read_bytes", "file_read_ns", "prefetch_bytes",
+                   "wait_ns", "file_reads", "file_read_bytes", "file_read_ns", "pack_reads", "pack_read_bytes",
+                   "prefetch_bytes",
                    "prefetch_wasted_bytes")
 _RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rate")
 _COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens", "host_computes")

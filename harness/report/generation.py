@@ -8,6 +8,7 @@ from collections import Counter
 
 from harness.domain.generation import GenerationResult, KindRow
 from harness.report.tables import md_table, shown
+from harness.stats.degeneration import MAX_PERIOD, MIN_SPAN
 
 HEADER = ["policy", "prompts", "tokens until divergence [95% CI]", "identical [95% CI]",
           "answer agreement [95% CI]", "mass"]
@@ -31,13 +32,17 @@ def generation_section(result: GenerationResult, heading: str = "##") -> list[st
     o = result.options
     file = shown(o.prompts) if o.prompts else "eval/data/gen-prompts.jsonl"
     src = f"--dataset {o.dataset}" if o.dataset else f"`{file}`"
-    lines = [f"Prompts {src}: {result.n_prompts.get('gsm8k', 0)} math word problems (gsm8k), "
-             f"{result.n_prompts.get('humaneval', 0)} code stubs (humaneval); {o.n_predict} tokens each, greedy "
+    names = {"gsm8k": "math word problems (gsm8k)", "humaneval": "code stubs (humaneval)",
+             "code": "beginnings of code files (code)", "prose": "beginnings of prose documents (prose)"}
+    kinds = ", ".join(f"{n} {names.get(k, k)}" for k, n in result.n_prompts.items())
+    answers = (f"Answer agreement: the final number of the generation equals the full model's, over the gsm8k "
+               f"prompts where the full model's generation has a number ({result.full_answers} of "
+               f"{result.n_prompts['gsm8k']}). It measures agreement with the full model, not correctness. "
+               if result.n_prompts.get("gsm8k") else "")
+    lines = [f"Prompts {src}: {kinds}; {o.n_predict} tokens each, greedy "
              f"(argmax), a fresh context per prompt; {result.slots} slots per layer, emulate mode, against the full "
              "model (cache off). Tokens until divergence: mean over prompts, percentile bootstrap 95% CI; shares: "
-             "Wilson 95% CI. Answer agreement: the final number of the generation equals the full model's, over the "
-             f"gsm8k prompts where the full model's generation has a number ({result.full_answers} of "
-             f"{result.n_prompts.get('gsm8k', 0)}). It measures agreement with the full model, not correctness. "
+             f"Wilson 95% CI. {answers}"
              "Mass: mean substituted gate mass per token-layer (prompt and generated tokens), averaged over prompts.",
              ""]
     refs = Counter(o.answer_ref for o in next(iter(result.outcomes.values()), ()) if o.answer_ref is not None)
@@ -46,10 +51,18 @@ def generation_section(result: GenerationResult, heading: str = "##") -> list[st
                   + ", ".join(f"{a if len(a) <= 12 else a[:12] + '...'} x{n}" for a, n in refs.most_common())
                   + f"; {len(refs)} distinct among {sum(refs.values())}: the fewer distinct answers, the more "
                   "answer agreement happens by chance.", ""]
-    for kind in ("gsm8k", "humaneval", "all"):
+    for kind in [*result.n_prompts, "all"]:
         rows = [r for r in result.rows if r.kind == kind]
         if rows:
             lines += [f"{heading}# {kind}", "", md_table(HEADER, [row_cells(r) for r in rows]), ""]
+    if result.degenerate:
+        lines += [f"{heading}# The full model's generations: degenerate?", "",
+                  "A generation degenerates when it ends in a loop: a suffix repeating with a period of at most "
+                  f"{MAX_PERIOD} tokens over at least max({MIN_SPAN}, 3 periods) tokens (harness.stats.degeneration, "
+                  "fixed before the trained models' runs). Wilson 95% CI.", ""]
+        lines += [f"- {d.kind}: {_share(d.share.k, d.share.n, d.share.low, d.share.high)} degenerate"
+                  + (f" ({', '.join(d.ids)})" if d.ids else "") for d in result.degenerate]
+        lines.append("")
     lines += [f"{heading}# Mass vs agreement", "",
               "Pearson r of the substituted mass against the mean tokens until divergence, across the policies "
               "that always fetch the first choice (Fisher-z 95% CI). Predicted: r < 0 (more mass, earlier "

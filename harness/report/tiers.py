@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from harness.domain.tiers import TierRow
+from harness.domain.tiers import PACK_ROW, PACK_TARGET, PackVerdict, TierRow
 from harness.stats.intervals import DeltaPPL
 
 
@@ -35,7 +35,7 @@ def render_tiers_table(rows: Sequence[TierRow], stock_configs: Sequence[str], be
         if r.n == 0:
             lines.append(f"| {r.config} | {r.error or 'no samples'} |" + " |" * (len(head) - 2))
             continue
-        policy = r.config.removesuffix(" (replay)")
+        policy = r.config.removesuffix(" (replay)").removesuffix(PACK_ROW)
         d = quality.get(policy)
         q = ("-" if policy not in quality else "not measured" if d is None
              else f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]")
@@ -49,5 +49,18 @@ def render_tiers_table(rows: Sequence[TierRow], stock_configs: Sequence[str], be
                   _f(fl.io_ms if fl else None, ".1f"), _f(fl.compute_ms if fl else None, ".1f"),
                   _f(fl.serial_ts if fl else None), _f(fl.overlapped_ts if fl else None),
                   _f(fl.serial_ts / r.mean_ts if fl else None), _f(fl.overlapped_ts / r.mean_ts if fl else None), q]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_pack_verdicts(verdicts: Sequence[PackVerdict]) -> str:
+    """--pack: one read per expert (the expert pack) against three reads, per policy, with the rule's verdict."""
+    head = ["policy", "three reads t/s", "one read (pack) t/s", "pack / three [95% CI]", "slice reads MB/s",
+            "whole-expert reads MB/s", "I/O share (three reads)", "probe bound", f"verdict (target {PACK_TARGET}x)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for v in verdicts:
+        cells = [v.policy, _f(v.three_ts), _f(v.pack_ts), _ratio(v.ratio), _f(v.slice_bps / 1e6, ".0f"),
+                 _f(v.record_bps / 1e6, ".0f"), _f(100 * v.io_share if v.io_share is not None else None, ".0f") + "%",
+                 _f(v.bound) + "x", v.verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

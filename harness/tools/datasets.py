@@ -96,12 +96,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 # ---- prompts for the generation test (harness generate) --------------------------------------------------------
 
-PROMPT_KINDS = ("gsm8k", "humaneval")  # a math word problem (its final number is its answer), a code stub
+# a math word problem (its final number is its answer), a code stub; the beginning of a code file or of a prose
+# document (agreement and degeneration only: scripts/make_domain_prompts.py, eval/data/gen-prompts-domains.jsonl)
+PROMPT_KINDS = ("gsm8k", "humaneval", "code", "prose")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of the generation test: `kind` gsm8k (answer agreement is measured) or humaneval."""
+    """One prompt of the generation test: `kind` one of PROMPT_KINDS (gsm8k: answer agreement is measured too)."""
 
     id: str
     kind: str

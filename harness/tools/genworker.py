@@ -8,6 +8,10 @@ with zero counters, so a prompt's result does not depend on the prompts before i
 early at the end-of-generation token. The context is closed before the next prompt, which makes the cache write
 its statistics file. One JSON line per prompt is printed: the prompt's id, its tokens, the generated tokens, their
 text, and the statistics file's path.
+
+`LLAMA_ARG_REPACK` (llama.cpp's environment form of `--repack`/`--no-repack`) is honoured as the llama.cpp tools
+honour it: off, disabled, false or 0 loads the model without weight repacking (llama-cpp-python has no option for
+it), which a CPU whose repack kernels fail needs.
 """
 
 from __future__ import annotations
@@ -25,10 +29,27 @@ def _spec_with_stats(base: str, stats: Path) -> str:
     return f"{base},stats={stats}" if base else ""
 
 
+def _no_repack() -> None:
+    """Every model this process loads is loaded without repacking (llama_model_params.use_extra_bufts = false)."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params():  # type: ignore[no-untyped-def]
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+
+
 def run_job(job: dict[str, Any]) -> None:
     import llama_cpp
     import numpy as np
     from llama_cpp import Llama
+
+    if os.environ.get("LLAMA_ARG_REPACK", "") in ("off", "disabled", "false", "0"):
+        _no_repack()
 
     base_spec = os.environ.get(CACHE_ENV_VAR, "")
     stats_dir = Path(job["stats_dir"])

@@ -42,6 +42,8 @@
     X(file_reads,         file_reads,         "reads from the model file (host=file)") \
     X(file_read_bytes,    file_read_bytes,    "bytes read from the model file (host=file)") \
     X(file_read_ns,       file_read_seconds,  "time reading the model file, summed over the reader threads (host=file)") \
+    X(pack_reads,         pack_reads,         "reads of whole experts from the expert pack (host=file with a pack; also in file_reads)") \
+    X(pack_read_bytes,    pack_read_bytes,    "bytes read from the expert pack (host=file with a pack; also in file_read_bytes)") \
     X(prefetch_bytes,     prefetch_bytes,     "bytes of the experts admitted by prefetch (prefetch=on)") \
     X(prefetch_wasted_bytes, prefetch_wasted_bytes, "bytes of the prefetched experts evicted before they were computed with")
 

@@ -380,7 +380,7 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
         }
         engine = std::make_unique<llama_expert_engine>(model, moe, n_expert, n_slots, cfg.async, prefix.c_str(), cfg.host_file,
                                                        cfg.readers, cfg.direct,
-                                                       llama_expert_cache_config_n_ram_slots(cfg, n_expert));
+                                                       llama_expert_cache_config_n_ram_slots(cfg, n_expert), cfg.pack);
         // initial fill: the policy's initial residency
         for (int32_t il = 0; il < n_layer; ++il) {
             if (layers[il]->moe) {

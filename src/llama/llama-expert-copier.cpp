@@ -76,6 +76,20 @@ bool llama_expert_transfer_run(const llama_expert_transfer & t) {
             }
             ggml_backend_tensor_set(t.bank, (const char *) t.ram->data + t.ram_offset, t.offset, t.size);
             return true;
+        case LLAMA_EXPERT_FROM_PACK: {
+            if (t.rams == nullptr) {
+                return llama_expert_pack_read(*t.pack, t.il, t.expert, t.banks, t.slot); // a failure marks the pack
+            }
+            if (!llama_expert_pack_read(*t.pack, t.il, t.expert, t.rams, t.ram_slot)) {
+                return false;
+            }
+            const auto & L = t.pack->layers[t.il];
+            for (size_t i = 0; i < L.size.size(); ++i) {
+                ggml_backend_tensor_set(t.banks[i], (const char *) t.rams[i]->data + (size_t) t.ram_slot*L.size[i],
+                    (size_t) t.slot*L.size[i], L.size[i]);
+            }
+            return true;
+        }
     }
     return false;
 }
@@ -128,6 +142,9 @@ struct copier_backend : llama_expert_copier {
                 if (llama_expert_read_file(t.ram, *t.file, t.file_off, t.ram_offset, t.size, t.name)) { // a failure marks the file
                     ggml_backend_tensor_set_async(backend, t.bank, (const char *) t.ram->data + t.ram_offset, t.offset, t.size);
                 }
+                break;
+            case LLAMA_EXPERT_FROM_PACK:
+                (void) llama_expert_transfer_run(t); // synchronous (read and copies); a failure marks the pack
                 break;
         }
     }

@@ -6,6 +6,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "llama-expert-io.h"
+#include "llama-expert-pack.h"
 
 #include <cstdint>
 #include <memory>
@@ -17,6 +18,8 @@ enum llama_expert_transfer_source {
     LLAMA_EXPERT_FROM_MEMORY  = 0, // src, host memory (the expert tensor, or the RAM tier)
     LLAMA_EXPERT_FROM_FILE    = 1, // file at file_off (host=file)
     LLAMA_EXPERT_THROUGH_RAM  = 2, // file at file_off into ram at ram_offset, then those bytes into the bank (three tiers)
+    LLAMA_EXPERT_FROM_PACK    = 3, // one read of an expert's record of the expert pack into every bank of its layer
+                                   // (banks, at slot), or through the RAM tier (rams, at ram_slot; then copied)
 };
 
 struct llama_expert_transfer {
@@ -30,6 +33,13 @@ struct llama_expert_transfer {
     const char *        name     = nullptr; // the expert tensor's name, for a failed read's message
     ggml_tensor *       ram        = nullptr; // THROUGH_RAM
     size_t              ram_offset = 0;
+    llama_expert_pack *   pack     = nullptr; // FROM_PACK: the pack, the layer and expert, the layer's banks and slot
+    int32_t               il       = -1;
+    int32_t               expert   = -1;
+    ggml_tensor * const * banks    = nullptr;
+    int32_t               slot     = -1;
+    ggml_tensor * const * rams     = nullptr; // FROM_PACK through the RAM tier (null: straight into the banks)
+    int32_t               ram_slot = -1;
 };
 
 // Run a transfer now, in the calling thread. A failed read marks the file (llama_expert_read_file) and returns false;

@@ -65,7 +65,8 @@ static std::array<ggml_tensor *, LLAMA_EXPERT_N_TENSORS> layer_expert_tensors(co
 
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
                                          int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file,
-                                         int32_t readers, llama_expert_direct direct, int32_t n_ram_)
+                                         int32_t readers, llama_expert_direct direct, int32_t n_ram_,
+                                         const std::string & pack_spec)
         : n_expert(n_expert_), n_slots(n_slots_), n_ram(host_file ? n_ram_ : 0) {
     const std::string pfx = prefix;
     layers.resize(moe.size());
@@ -163,6 +164,10 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             }
             layers[il].banks.push_back(eb);
         }
+        for (const auto & b : layers[il].banks) {
+            layers[il].bank_tensors.push_back(b.bank);
+            layers[il].ram_tensors.push_back(b.ram);
+        }
         layers[il].bank_expert.assign(n_slots, -1);
         layers[il].slot_state.assign(n_slots, LLAMA_EXPERT_SLOT_READY);
         layers[il].ram_expert.assign(n_ram, -1);
@@ -193,6 +198,10 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             size/1024.0/1024.0, ggml_backend_buft_name(buft), n_slots);
         bufs.emplace_back(buf);
         sizes.emplace_back(buft, size);
+    }
+
+    if (host_file && !no_alloc && pack_spec != "off") {
+        open_pack(pack_spec, direct, pfx);
     }
 
     if (host_file && !no_alloc) {
@@ -241,6 +250,50 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
     }
 }
 
+void llama_expert_engine::open_pack(const std::string & spec, llama_expert_direct direct, const std::string & pfx) {
+    const bool given = !spec.empty() && spec != "auto";
+    if (files.size() != 1) {
+        // a split model: a pack is written for one GGUF file
+        if (given) {
+            throw std::runtime_error(pfx + "pack=" + spec + ": an expert pack serves a model in one file, and the "
+                "experts of this one are in " + std::to_string(files.size()) + " files: remove pack=");
+        }
+        return;
+    }
+    const llama_expert_file & model_file = *files.begin()->second;
+    const std::string path = given ? spec : model_file.path + ".moe-pack";
+    if (!given && access(path.c_str(), F_OK) != 0) {
+        LLAMA_LOG_INFO("%s: host=file: no expert pack at %s: each missed expert is one read per expert tensor "
+            "(harness pack writes one)\n", __func__, path.c_str());
+        return;
+    }
+    std::vector<std::vector<llama_expert_pack_want>> want(layers.size());
+    for (size_t il = 0; il < layers.size(); ++il) {
+        for (const auto & b : layers[il].banks) {
+            llama_expert_pack_want w;
+            w.gguf_off = b.file_off;
+            w.type     = (int32_t) b.src->type;
+            for (int d = 0; d < 4; ++d) {
+                w.ne[d] = b.src->ne[d];
+            }
+            w.stride = b.stride;
+            w.name   = ggml_get_name(b.src);
+            want[il].push_back(w);
+        }
+    }
+    std::string why;
+    pack = llama_expert_pack_open(path, model_file, n_expert, want, direct, why);
+    if (!pack) {
+        if (given) {
+            throw std::runtime_error(pfx + "pack=" + spec + ": " + why);
+        }
+        LLAMA_LOG_WARN("%s: WARNING: %s; it is not used: each missed expert is one read per expert tensor\n",
+            __func__, why.c_str());
+        return;
+    }
+    LLAMA_LOG_INFO("%s: host=file: expert pack %s: one read per missed expert\n", __func__, path.c_str());
+}
+
 llama_expert_engine::~llama_expert_engine() {
     // no copy may outlive the banks it writes
     for (auto & c : copiers) {
@@ -270,9 +323,10 @@ ggml_tensor * llama_expert_engine::bank(int32_t il, ggml_tensor * src) const {
 }
 
 // copy experts e .. e+n-1 into slots s .. s+n-1 of every bank of the layer, one transfer per bank submitted to copier
-// (the layer's, or the synchronous one)
+// (the layer's, or the synchronous one); from the expert pack (host=file with a pack), one transfer per expert (one
+// read into all of its banks)
 static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy, int32_t s,
-                     int32_t e, int32_t n, llama_expert_copier & copier, bool fg) {
+                     int32_t e, int32_t n, llama_expert_copier & copier, bool fg, llama_expert_pack * pack) {
     const int32_t mark = fg ? 2*il : 2*il + 1;
     // three tiers (runs of one expert): from the RAM tier when it holds the expert's bytes; through it (read from
     // the file into its slot, then copied) when the policy has just put the expert there; else from the file
@@ -281,26 +335,46 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
     const int32_t s2      = tiered ? policy.ram_slot_of(e) : -1;
     const bool    from_ram = s2 >= 0 && L.ram_expert[s2] == e;
     const bool    through  = s2 >= 0 && !from_ram;
-    for (const auto & b : L.banks) {
-        llama_expert_transfer t;
-        t.bank   = b.bank;
-        t.offset = (size_t) s*b.stride;
-        t.size   = (size_t) n*b.stride;
-        if (from_ram) {
-            t.src = (const char *) b.ram->data + (size_t) s2*b.stride;
-        } else if (b.file != nullptr) { // host=file
-            t.source     = through ? LLAMA_EXPERT_THROUGH_RAM : LLAMA_EXPERT_FROM_FILE;
-            t.file       = b.file;
-            t.file_off   = b.file_off + (uint64_t) e*b.stride;
-            t.name       = ggml_get_name(b.src);
-            t.ram        = b.ram;
-            t.ram_offset = (size_t) s2*b.stride;
-        } else {
-            t.src = (const char *) b.src->data + (size_t) e*b.stride;
+    if (pack && !from_ram && !L.banks.empty() && L.banks[0].file != nullptr) {
+        // the expert pack: one read per expert into all of its banks (through the RAM tier's slot when tiered)
+        for (int32_t i = 0; i < n; ++i) {
+            llama_expert_transfer t;
+            t.source   = LLAMA_EXPERT_FROM_PACK;
+            t.bank     = L.bank_tensors[0]; // (for a failed copy's message)
+            t.size     = (size_t) pack->layers[il].data_bytes;
+            t.pack     = pack;
+            t.il       = il;
+            t.expert   = e + i;
+            t.banks    = L.bank_tensors.data();
+            t.slot     = s + i;
+            t.rams     = through ? L.ram_tensors.data() : nullptr;
+            t.ram_slot = s2;
+            copier.submit(mark, fg, t);
+            L.stats.copies++;
+            L.stats.copy_bytes += (uint64_t) t.size;
         }
-        copier.submit(mark, fg, t);
-        L.stats.copies++;
-        L.stats.copy_bytes += (uint64_t) t.size;
+    } else {
+        for (const auto & b : L.banks) {
+            llama_expert_transfer t;
+            t.bank   = b.bank;
+            t.offset = (size_t) s*b.stride;
+            t.size   = (size_t) n*b.stride;
+            if (from_ram) {
+                t.src = (const char *) b.ram->data + (size_t) s2*b.stride;
+            } else if (b.file != nullptr) { // host=file
+                t.source     = through ? LLAMA_EXPERT_THROUGH_RAM : LLAMA_EXPERT_FROM_FILE;
+                t.file       = b.file;
+                t.file_off   = b.file_off + (uint64_t) e*b.stride;
+                t.name       = ggml_get_name(b.src);
+                t.ram        = b.ram;
+                t.ram_offset = (size_t) s2*b.stride;
+            } else {
+                t.src = (const char *) b.src->data + (size_t) e*b.stride;
+            }
+            copier.submit(mark, fg, t);
+            L.stats.copies++;
+            L.stats.copy_bytes += (uint64_t) t.size;
+        }
     }
     if (through) {
         L.ram_expert[s2] = e;
@@ -314,7 +388,7 @@ static void copy_run(llama_expert_engine_layer & L, int32_t il, const llama_expe
 // three tiers: fill the RAM slots whose expert the policy changed and no slot copy of this step read through
 // (background reads where a copier runs: waited for at the layer's next step, before any copy from them)
 static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expert_layer_policy & policy,
-                     llama_expert_copier & copier) {
+                     llama_expert_copier & copier, llama_expert_pack * pack) {
     for (int32_t s2 = 0; s2 < (int32_t) L.ram_expert.size(); ++s2) {
         const int32_t e = policy.ram_expert_of(s2);
         if (e < 0) {
@@ -322,6 +396,20 @@ static void fill_ram(llama_expert_engine_layer & L, int32_t il, const llama_expe
             continue;
         }
         if (L.ram_expert[s2] == e) {
+            continue;
+        }
+        if (pack) {
+            llama_expert_transfer t;
+            t.source = LLAMA_EXPERT_FROM_PACK;
+            t.bank   = L.ram_tensors[0];
+            t.size   = (size_t) pack->layers[il].data_bytes;
+            t.pack   = pack;
+            t.il     = il;
+            t.expert = e;
+            t.banks  = L.ram_tensors.data();
+            t.slot   = s2;
+            copier.submit(2*il + 1, false, t);
+            L.ram_expert[s2] = e;
             continue;
         }
         for (const auto & b : L.banks) {
@@ -397,7 +485,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
     }
     if (runs.empty()) {
         if (!L.ram_expert.empty()) {
-            fill_ram(L, il, policy, *copier_sync);
+            fill_ram(L, il, policy, *copier_sync, pack.get());
         }
         return;
     }
@@ -414,7 +502,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
             }
             // the synchronous copier (CPU builds by default): an admission still goes through the LOADING state until
             // the layer's next route step
-            copy_run(L, il, policy, r.s, r.e, r.n, *L.copier, fg);
+            copy_run(L, il, policy, r.s, r.e, r.n, *L.copier, fg, pack.get());
             for (int32_t i = 0; i < r.n; ++i) {
                 L.slot_state[r.s + i] = fg ? LLAMA_EXPERT_SLOT_READY : LLAMA_EXPERT_SLOT_LOADING;
                 if (!fg) {
@@ -434,7 +522,7 @@ void llama_expert_engine::sync(int32_t il, const llama_expert_layer_policy & pol
     }
     if (!L.ram_expert.empty()) {
         const bool async = L.copier->async() && fetched != nullptr;
-        fill_ram(L, il, policy, async ? *L.copier : *copier_sync);
+        fill_ram(L, il, policy, async ? *L.copier : *copier_sync, pack.get());
         L.ram_pending = L.ram_pending || async;
         background = background || async;
     }
@@ -464,7 +552,7 @@ void llama_expert_engine::complete(int32_t il, const llama_expert_layer_policy &
             // the policy's residency has not changed since (no decision in between): copy it now
             const int32_t e = policy.expert_of(s);
             GGML_ASSERT(e >= 0 && L.bank_expert[s] != e);
-            copy_run(L, il, policy, s, e, 1, *copier_sync, true);
+            copy_run(L, il, policy, s, e, 1, *copier_sync, true, pack.get());
             copied = true;
         }
         GGML_ASSERT(L.slot_state[s] != LLAMA_EXPERT_SLOT_READY);
@@ -496,13 +584,16 @@ bool llama_expert_engine::failed() const {
             return true;
         }
     }
-    return false;
+    return pack && pack->file->failed.load(std::memory_order_relaxed);
 }
 
 bool llama_expert_engine::check_files() {
     bool ok = true;
     for (auto & [path, f] : files) {
         ok = llama_expert_file_check(*f) && ok;
+    }
+    if (pack) {
+        ok = llama_expert_file_check(*pack->file) && ok;
     }
     return ok;
 }
@@ -517,6 +608,10 @@ std::string llama_expert_engine::failure() const {
             return f->error;
         }
     }
+    if (pack && pack->file->failed.load()) {
+        std::lock_guard<std::mutex> lock(pack->file->error_mtx);
+        return pack->file->error;
+    }
     return "";
 }
 
@@ -528,6 +623,11 @@ void llama_expert_engine::reset_stats() {
         f->reads = 0;
         f->bytes = 0;
         f->ns    = 0;
+    }
+    if (pack) {
+        pack->file->reads = 0;
+        pack->file->bytes = 0;
+        pack->file->ns    = 0;
     }
 }
 
@@ -549,6 +649,13 @@ llama_expert_engine_stats llama_expert_engine::total() const {
         t.file_reads      += f->reads.load();
         t.file_read_bytes += f->bytes.load();
         t.file_read_ns    += f->ns.load();
+    }
+    if (pack) { // the pack's reads count as reads of the model file's experts too
+        t.pack_reads       = pack->file->reads.load();
+        t.pack_read_bytes  = pack->file->bytes.load();
+        t.file_reads      += t.pack_reads;
+        t.file_read_bytes += t.pack_read_bytes;
+        t.file_read_ns    += pack->file->ns.load();
     }
     return t;
 }

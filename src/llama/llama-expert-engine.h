@@ -23,6 +23,7 @@
 #include "llama-expert-auto.h"
 #include "llama-expert-copier.h"
 #include "llama-expert-io.h"
+#include "llama-expert-pack.h"
 #include "llama-expert-policy.h"
 
 #include <cstdint>
@@ -79,6 +80,8 @@ struct llama_expert_engine_run {
 
 struct llama_expert_engine_layer {
     std::vector<llama_expert_engine_bank> banks;
+    std::vector<ggml_tensor *> bank_tensors; // banks[i].bank, and banks[i].ram (three tiers), for the expert pack's
+    std::vector<ggml_tensor *> ram_tensors;  // one-read transfers
     std::vector<int32_t> bank_expert; // slot -> expert whose bytes the banks hold (-1: empty)
     std::vector<uint8_t> slot_state;  // llama_expert_slot_state per slot
     std::vector<int32_t> loading;     // slots with a background copy in flight, or deferred
@@ -97,11 +100,19 @@ struct llama_expert_engine {
     // (repacked CPU weights, expert tensors not in host memory).
     llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert, int32_t n_slots,
                         llama_expert_async async, const char * prefix, bool host_file = false, int32_t readers = 1,
-                        llama_expert_direct direct = LLAMA_EXPERT_DIRECT_AUTO, int32_t n_ram = 0);
+                        llama_expert_direct direct = LLAMA_EXPERT_DIRECT_AUTO, int32_t n_ram = 0,
+                        const std::string & pack = "");
     ~llama_expert_engine();
 
     // host=file: the model files the banks read from (path -> file), closed with the engine
     std::map<std::string, std::unique_ptr<llama_expert_file>> files;
+
+    // host=file: the expert pack the banks read whole experts from (one read per expert; llama-expert-pack.h), null
+    // when none is used (three reads per expert: one per expert tensor). pack (the spec's pack=): "" = auto, the
+    // model file's path + ".moe-pack" when it exists (one that does not match the model: a warning, and reads from
+    // the model file); "off"; a path (one that does not match: an error).
+    std::unique_ptr<llama_expert_pack> pack;
+    void open_pack(const std::string & spec, llama_expert_direct direct, const std::string & pfx);
 
     // the bank of a layer's expert tensor; null for null; throws for a tensor without a bank
     ggml_tensor * bank(int32_t il, ggml_tensor * src) const;

@@ -2,7 +2,9 @@
 
 #include "llama-impl.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +14,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 bool llama_expert_mapped_file_of(const void * p, std::string & path, uint64_t & off) {
@@ -195,6 +198,110 @@ bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t 
             memcpy((char *) bank->data + offset, src, size);
         } else {
             ggml_backend_tensor_set(bank, src, offset, size);
+        }
+    }
+    if (!file_unchanged(f)) {
+        return false; // what was read may be of the changed file
+    }
+    f.reads.fetch_add(1, std::memory_order_relaxed);
+    f.bytes.fetch_add(size, std::memory_order_relaxed);
+    f.ns.fetch_add((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
+    return true;
+}
+
+// preadv until every byte of iov[0..n) is read; the bytes read, or -errno (a short read at the end of the file)
+static ssize_t readv_full(int fd, struct iovec * iov, int n, uint64_t off) {
+    size_t done = 0;
+    int i = 0;
+    while (i < n) {
+        const ssize_t r = preadv(fd, iov + i, n - i, (off_t) (off + done));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r < 0) {
+            return -errno;
+        }
+        if (r == 0) {
+            break;
+        }
+        done += (size_t) r;
+        size_t left = (size_t) r;
+        while (i < n && left >= iov[i].iov_len) {
+            left -= iov[i].iov_len;
+            ++i;
+        }
+        if (i < n) {
+            iov[i].iov_base = (char *) iov[i].iov_base + left;
+            iov[i].iov_len -= left;
+        }
+    }
+    return (ssize_t) done;
+}
+
+bool llama_expert_read_file_parts(llama_expert_file & f, uint64_t file_off, size_t size,
+                                  const llama_expert_read_part * parts, size_t n_parts, const char * what) {
+    const auto t0 = std::chrono::steady_clock::now();
+    bool done = false;
+    if (f.direct.load(std::memory_order_relaxed)) {
+        // one aligned read of the span into this thread's aligned buffer, then a copy of each part
+        const uint64_t lo = file_off & ~(uint64_t) (DIRECT_ALIGN - 1);
+        const uint64_t hi = (file_off + size + DIRECT_ALIGN - 1) & ~(uint64_t) (DIRECT_ALIGN - 1);
+        char * buf = direct_buffer((size_t) (hi - lo));
+        const ssize_t r = !buf ? -ENOMEM : f.test_refuse_read ? -EINVAL : read_full(f.fd_direct, buf, (size_t) (hi - lo), lo);
+        if (r == -EINVAL || r == -ENOMEM) {
+            if (f.direct.exchange(false)) {
+                LLAMA_LOG_WARN("expert cache: host=file: O_DIRECT reads of %s refused (%s): buffered reads from now on\n",
+                    f.path.c_str(), strerror((int) -r));
+            }
+        } else if (r < (ssize_t) (file_off + size - lo)) {
+            return read_failed(f, r, size, what, file_off);
+        } else {
+            const char * src = buf + (file_off - lo);
+            for (size_t i = 0; i < n_parts; ++i) {
+                const auto & p = parts[i];
+                if (ggml_backend_buffer_is_host(p.dst->buffer)) {
+                    memcpy((char *) p.dst->data + p.offset, src + p.src_off, p.size);
+                } else {
+                    ggml_backend_tensor_set(p.dst, src + p.src_off, p.offset, p.size);
+                }
+            }
+            done = true;
+        }
+    }
+    if (!done) {
+        // buffered: one preadv into the parts (host memory), or into a staging buffer for the others
+        std::vector<char> staging;
+        std::vector<struct iovec> iov(n_parts);
+        size_t pos = 0;
+        for (size_t i = 0; i < n_parts; ++i) {
+            const auto & p = parts[i];
+            GGML_ASSERT(p.src_off == pos && "expert pack: the parts of a read must tile it in order");
+            pos += p.size;
+            if (ggml_backend_buffer_is_host(p.dst->buffer)) {
+                iov[i].iov_base = (char *) p.dst->data + p.offset;
+            } else {
+                staging.resize(size);
+                iov[i].iov_base = nullptr; // set below, once staging has its final size
+            }
+            iov[i].iov_len = p.size;
+        }
+        GGML_ASSERT(pos == size);
+        for (size_t i = 0; i < n_parts; ++i) {
+            if (iov[i].iov_base == nullptr) {
+                iov[i].iov_base = staging.data() + parts[i].src_off;
+            }
+        }
+        const ssize_t r = readv_full(f.fd, iov.data(), (int) n_parts, file_off);
+        if (r != (ssize_t) size) {
+            return read_failed(f, r, size, what, file_off);
+        }
+        posix_fadvise(f.fd, (off_t) file_off, (off_t) size, POSIX_FADV_DONTNEED);
+        for (size_t i = 0; i < n_parts; ++i) {
+            const auto & p = parts[i];
+            if (!ggml_backend_buffer_is_host(p.dst->buffer)) {
+                ggml_backend_tensor_set(p.dst, staging.data() + p.src_off, p.offset, p.size);
+            }
         }
     }
     if (!file_unchanged(f)) {

@@ -53,6 +53,23 @@ bool llama_expert_read_file(ggml_tensor * bank, llama_expert_file & f, uint64_t 
                             const char * tensor_name);
 
 
+// host=file with an expert pack (llama-expert-pack.h): one part of a record read, the bytes at src_off of the span
+// read into dst at offset
+struct llama_expert_read_part {
+    ggml_tensor * dst     = nullptr;
+    size_t        offset  = 0;
+    size_t        src_off = 0;
+    size_t        size    = 0;
+};
+
+// host=file with an expert pack: one read of size bytes at file_off of f, scattered into parts (which tile
+// [0, size) in order of src_off). With O_DIRECT the aligned span (a pack's record is aligned: one aligned read)
+// into the calling thread's aligned buffer, then copies into the parts; buffered: one preadv straight into the
+// parts where they are host memory (else a staging buffer), the pages then dropped. Failures as
+// llama_expert_read_file's (what: the read's name for the message). Counts one read of size bytes.
+bool llama_expert_read_file_parts(llama_expert_file & f, uint64_t file_off, size_t size,
+                                  const llama_expert_read_part * parts, size_t n_parts, const char * what);
+
 // host=file: whether the model file is still the one opened, checked once per ubatch (the route step of the first MoE
 // layer) and after every read. Its size or modification time changed (fstat of the descriptor: it was rewritten or
 // truncated in place, so the experts read from it, and the loader's mapping of the other weights, are no longer the

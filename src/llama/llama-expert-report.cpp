@@ -68,6 +68,12 @@ void llama_expert_cache_impl::print_stats() const {
             e.copy_bytes/1024.0/1024.0, (unsigned long long) e.copies, 1e-6 * e.copy_ns,
             (unsigned long long) e.background_experts, engine->async() ? "async" : "synchronous",
             (unsigned long long) e.deferred_experts, 1e-6 * e.wait_ns);
+        if (!engine->files.empty()) {
+            LLAMA_LOG_INFO("%s: expert cache file tier: %llu reads (%.2f MiB, %.3f ms), %s\n", __func__,
+                (unsigned long long) e.file_reads, e.file_read_bytes/1024.0/1024.0, 1e-6 * e.file_read_ns,
+                engine->pack ? format("one per expert from the expert pack %s", engine->pack->file->path.c_str()).c_str()
+                             : "one per expert tensor (no expert pack)");
+        }
     }
 }
 
@@ -121,7 +127,8 @@ bool llama_expert_cache_impl::write_stats(const std::string & path) const {
         fprintf(f, "\"" #field "\": %llu, ", (unsigned long long) e.field);
         LLAMA_EXPERT_ENGINE_COUNTERS(LLAMA_EXPERT_COUNTER_JSON)
 #undef LLAMA_EXPERT_COUNTER_JSON
-        fprintf(f, "\"async\": %s},\n", engine->async() ? "true" : "false");
+        fprintf(f, "\"async\": %s, \"pack\": %s},\n", engine->async() ? "true" : "false",
+            llama_expert_json_str(engine->pack ? engine->pack->file->path : "").c_str());
     }
     fprintf(f, "  \"group_max\": %d,\n", group_max);
     uint64_t bypass_tl = 0;

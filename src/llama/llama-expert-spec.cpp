@@ -358,6 +358,14 @@ static bool spec_key_direct(const std::string & val, llama_expert_cache_config &
     return true;
 }
 
+static bool spec_key_pack(const std::string & val, llama_expert_cache_config & cfg) {
+    if (val.empty()) {
+        return false;
+    }
+    cfg.pack = val == "auto" ? "" : val;
+    return true;
+}
+
 static bool parse_path(const std::string & val, std::string & out) {
     if (val.empty()) {
         return false;
@@ -528,6 +536,9 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         if (k->accepted && std::strcmp(k->accepted, "a file path") == 0 && !llama_expert_path_check(key + "=", val, err)) {
             return false;
         }
+        if (key == "pack" && val != "auto" && val != "off" && !llama_expert_path_check(key + "=", val, err)) {
+            return false;
+        }
         explicit_rule = explicit_rule || key == "rule";
         explicit_tau  = explicit_tau  || key == "tau";
     }
@@ -599,7 +610,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         err = "ram= budgets RAM with the experts left in the model file: it needs host=file";
         return false;
     }
-    for (const char * k : { "readers", "direct" }) {
+    for (const char * k : { "readers", "direct", "pack" }) {
         const bool given = std::any_of(kv.begin(), kv.end(), [k](const auto & p) { return p.first == k; });
         if (given && !cfg.host_file && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
             err = std::string(k) + "= sets how host=file reads experts from the model file: it needs host=file";
@@ -609,7 +620,7 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     if (cfg.host_file && cfg.mode == LLAMA_EXPERT_CACHE_MODE_EMULATE) {
         // emulate simulates the tiers: misses come from the file (tau_file), nothing is read
         for (const auto & [key, val] : kv) {
-            if (key == "readers" || key == "direct") {
+            if (key == "readers" || key == "direct" || key == "pack") {
                 err = key + "= sets how mode=engine reads the model file: emulate reads nothing";
                 return false;
             }

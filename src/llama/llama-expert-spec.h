@@ -52,6 +52,7 @@
     X(host,         "ram (copy missed experts from the expert tensors in memory) or file (read them from the model file)") \
     X(readers,      "a number of reader threads, 1 to 64") \
     X(direct,       "auto (O_DIRECT reads where the file system allows them, else buffered), on (O_DIRECT or an error) or off (buffered reads)") \
+    X(pack,         "auto (the expert pack MODEL.moe-pack next to the model file, when present), off, or an expert pack's path (harness pack)") \
     X(prefetch,     "on (admit the experts the next MoE layer's router predicts, in the background) or off") \
     X(profile,      "a file path") \
     X(profile_out,  "a file path") \
@@ -166,6 +167,10 @@ struct llama_expert_cache_config {
     // after them), and whether reads bypass the page cache
     int32_t             readers = 4;
     llama_expert_direct direct  = LLAMA_EXPERT_DIRECT_AUTO;
+    // host=file: the expert pack that serves each missed expert in one read: "" (auto: the model file's path +
+    // ".moe-pack" when it exists; one that does not match the model is warned about and not used), "off", or a path
+    // (one that does not match the model is an error)
+    std::string         pack;
 
     std::string off_ignored; // mode=off: the other keys given, which have no effect (a warning names them)
 
