@@ -12,7 +12,7 @@
 #                                  which ggml-vulkan uses only with GGML_VK_VISIBLE_DEVICES=0
 #   ./build.sh --only stock|patched|harness
 #   ./build.sh --jobs N
-#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all six, + llama-moe-sim;
+#   ./build.sh --targets "llama-bench llama-cli"   build only these tools (default: all six and ggml-rpc-server, + llama-moe-sim;
 #                                  llama-quantize makes the K-quant test models: harness synth --quantize)
 #   ./build.sh --share-ggml        build ggml once (in the patched tree) and link the stock tree to it: the
 #                                  patches do not touch ggml/ (checked), so this halves a CUDA build
@@ -197,11 +197,11 @@ fi
 phase trees
 
 # ---- 4. configure + build -----------------------------------------------------------------------
-targets=(llama llama-cli llama-server llama-perplexity llama-bench llama-quantize)
+targets=(llama llama-cli llama-server llama-perplexity llama-bench llama-quantize ggml-rpc-server)
 patched_targets=(llama-moe-sim)  # tools that only the patched tree has (patches/)
 if [ "$backend" = vulkan ]; then
     # what the device tests and harness compare run (the CPU builds have llama-quantize and llama-moe-sim)
-    targets=(llama llama-cli llama-server llama-perplexity llama-bench)
+    targets=(llama llama-cli llama-server llama-perplexity llama-bench ggml-rpc-server)
     patched_targets=()
 fi
 if [ -n "$want_targets" ]; then
@@ -220,6 +220,10 @@ cmake_common=(
     -DLLAMA_OPENSSL=OFF
     -DLLAMA_BUILD_NUMBER=0
     -DLLAMA_BUILD_COMMIT="$pin_id"
+    # ggml's RPC backend (--rpc, ggml-rpc-server) in both trees: layers on another host (docs/expert-cache-engine.md,
+    # "Beyond one machine"). Its cost with ccache warm: 4 compiles (ggml-rpc, its transport, the backend registry,
+    # ggml-rpc-server); every other object is a ccache hit (the GGML_USE_RPC define changes no other preprocessed file)
+    -DGGML_RPC=ON
 )
 if command -v ccache >/dev/null; then
     # Both trees build in <tree>/build-<backend>, so relative paths match and objects are shared.

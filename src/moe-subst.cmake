@@ -8,9 +8,9 @@
 set(MOE_SUBST_SRC "${CMAKE_CURRENT_LIST_DIR}")
 
 # The model-free rooms: the spec and its keys, the miss rules, the residency policy and profiles, the budget, the
-# machine's memory facts and --moe-cache auto's decision. They need neither ggml nor a model: the C++ unit tests, the
-# sanitizer tests and llama-moe-sim compile this list (tests/conftest.py reads it from here, the one place it is
-# written).
+# machine's memory facts, --moe-cache auto's decision and the tuned profile it reads (with its JSON reader). They
+# need neither ggml nor a model: the C++ unit tests, the sanitizer tests and llama-moe-sim compile this list
+# (tests/conftest.py reads it from here, the one place it is written).
 set(MOE_SUBST_POLICY_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-spec.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-rules.cpp
@@ -18,7 +18,9 @@ set(MOE_SUBST_POLICY_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-profile.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-budget.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-machine.cpp
-    ${MOE_SUBST_SRC}/llama/llama-expert-auto.cpp)
+    ${MOE_SUBST_SRC}/llama/llama-expert-auto.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-json.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-tuned.cpp)
 
 # libllama: the model-free rooms, the engine's rooms (model-file reads, copiers, banks), the cache's rooms
 # (construction and hooks, the route step, the trace, the statistics) and the C API for applications
@@ -40,6 +42,7 @@ set(MOE_SUBST_LLAMA_SOURCES
 target_sources(llama PRIVATE ${MOE_SUBST_LLAMA_SOURCES})
 set_source_files_properties(
     ${MOE_SUBST_LLAMA_SOURCES}
+    ${PROJECT_SOURCE_DIR}/src/llama.cpp
     ${PROJECT_SOURCE_DIR}/src/llama-context.cpp
     ${PROJECT_SOURCE_DIR}/src/llama-graph.cpp
     TARGET_DIRECTORY llama

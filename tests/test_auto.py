@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,41 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
     rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "auto"})
     lines = [ln for ln in out.splitlines() if "auto: the model" in ln]
     assert rc != 0 and len(lines) == 1 and "even that needs at least" in lines[0], out[-3000:]
+
+
+@pytest.mark.build
+def test_the_plan_line_shows_at_the_tools_default_verbosity(patched_build: Build, synth_text_file: Path,
+                                                            tmp_path: Path) -> None:
+    """What auto chose, and why, in one line without -lv: llama-perplexity and llama-server log it (a warning);
+    llama-cli, whose default verbosity is "error", prints it in its banner (from llama-server's /props, which carries
+    it as moe_cache_auto)."""
+    from test_midrun import llama_server
+
+    model = write_synth_model(SynthSpec(), tmp_path / "m.gguf")
+    base = {k: v for k, v in os.environ.items() if k not in ("LLAMA_MOE_CACHE", "LLAMA_MOE_CACHE_MACHINE_ROOT")}
+    res = subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(model), "-f", str(synth_text_file),
+                          "-c", "128", "--chunks", "1", "-t", "2", "--moe-cache", "auto"], env=base,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = _auto_line(res.stdout + res.stderr)
+    assert line.startswith("off: the model (") and "stock is as fast" in line
+
+    # (each run's own line: the memory facts move between runs)
+    with llama_server(patched_build, model, "auto", tmp_path / "server.log") as server:
+        line = _auto_line(server.log())
+        assert line.startswith("off: the model (") and "stock is as fast" in line
+        with urllib.request.urlopen(server.base + "/props", timeout=30) as r:
+            assert json.loads(r.read())["moe_cache_auto"] == line
+
+    res = subprocess.run([str(patched_build.tool("llama-cli")), "-m", str(model), "-p", "one two", "-n", "2", "-st",
+                          "-t", "2", "--moe-cache", "auto"], env=base, capture_output=True, text=True, timeout=600,
+                         stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    banner = [ln for ln in res.stdout.splitlines() if ln.startswith("moe-cache  : auto: ")]
+    assert len(banner) == 1 and banner[0].startswith("moe-cache  : auto: off: the model (") and \
+        "stock is as fast" in banner[0], res.stdout[-3000:]
+    # without auto, no such line
+    res = subprocess.run([str(patched_build.tool("llama-cli")), "-m", str(model), "-p", "one two", "-n", "2", "-st",
+                          "-t", "2"], env=base, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                         cwd=tmp_path)
+    assert res.returncode == 0 and "moe-cache  :" not in res.stdout

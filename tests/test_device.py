@@ -15,7 +15,8 @@ runs with the experts on Vulkan0 (`-ngl 99`): it then computes them with the dev
 - background admissions on the copy stream (pinned experts: ggml-vulkan's asynchronous path; pageable: its
   synchronous fallback, and the engine's warning), no slot read before its event (GGML_ASSERTs abort otherwise);
 - vram=: the plan from what the device holds, and the allocations the device logs (GGML_VK_MEMORY_LOGGER) equal to
-  it: the weights and the banks exactly, the highest total within the budget;
+  it: the weights and the banks exactly, the highest total within the budget; `--moe-cache auto` plans the VRAM
+  cache with vram= from the device's room less 10%, which the engine accepts;
 - the model file truncated mid-run (host=file, two and three tiers) is one line and a failed request, the server keeps
   running; so is a copy failure (the engine's test hook LLAMA_MOE_CACHE_TEST_COPY_FAIL_AFTER);
 - harness compare --backend vulkan end to end.
@@ -376,6 +377,41 @@ def test_device_vram_budget(vulkan: Vulkan, text: Path, tmp_path: Path) -> None:
     assert any(abs(s - banks) <= exact for s in sizes), (banks, sizes)
     peak = max(float(m["total"]) * UNIT[m["tunit"]] for m in allocs)
     assert used - plan["reserve"] <= peak + exact and peak <= budget, (peak, budget, plan)
+
+
+def test_device_auto_plans_the_vram_cache(vulkan: Vulkan, text: Path, tmp_path: Path) -> None:
+    """`--moe-cache auto` with the MoE layers on Vulkan0 and the experts in host memory (RAM holds them): the VRAM
+    cache, vram= from the device's room (its free memory when the context is made, plus what of ours it holds already:
+    the weights and the KV cache) less the 10% margin, in whole MiB; the engine's budget then accepts it (the weights,
+    the context, the reserve and the banks within it, one more slot not, unless every expert is resident) and its banks
+    are on Vulkan0."""
+    reserve = 4 << 20
+    r = run_ppl(vulkan.patched, tmp_path / "auto", text, f"auto,vram_reserve={reserve}", want="expert cache plan")
+    check_ok(r)
+    on_device(r)
+    auto = [ln.split("llama_expert_cache: auto: ", 1)[1] for ln in r.output.splitlines()
+            if "llama_expert_cache: auto: " in ln]
+    assert len(auto) == 1, r.output[-3000:]
+    m = re.match(rf"mode=engine,policy=quality,vram=(\d+)M,vram_reserve={reserve},stats=\S+: the experts are in host "
+                 r"memory \([\d.]+ MiB, which fits in the .*\): the VRAM cache, (\d+) of 64 experts per layer on the "
+                 r"GPU \(vram= from ([\d.]+) MiB of room less a 10% margin\); policy quality \(no tuned profile\)$",
+                 auto[0])
+    assert m, auto[0]
+    room = float(m[3]) * 2**20  # printed to 0.1 MiB
+    assert abs(int(m[1]) - (room - room / 10) / 2**20) <= 1, (m[1], m[3])
+    plan_line = re.search(r"expert cache plan: (.*)", r.output)
+    assert plan_line, r.output[-3000:]
+    plan = {k: int(v) for k, v in (kv.split("=") for kv in plan_line[1].split())}
+    # the room is the device's free memory plus what of ours it holds (lavapipe reports its whole heap as free, also
+    # once our weights are on it: there the room is the total plus those)
+    held = plan["weights"] + plan["context"]
+    assert held < room <= (vulkan.total_mib << 20) + held + (1 << 20) // 10, (m[3], vulkan.total_mib, held)
+    assert r.stats is not None
+    slots, banks = r.stats["config"]["slots"], r.stats["engine"]["bank_bytes"]
+    assert slots == int(m[2]) and K <= slots <= 64 and plan["vram"] == int(m[1]) << 20 and plan["reserve"] == reserve
+    used = plan["weights"] + plan["context"] + reserve + banks
+    assert used <= plan["vram"] and (slots == 64 or plan["vram"] < used + plan["per_slot"]), plan
+    assert BANKS_ON_DEVICE.search(r.output), r.output[-3000:]
 
 
 # ---- host=file, three tiers, a read failure -----------------------------------------------------------------------

@@ -307,6 +307,21 @@ def tuned_policy(profile: TuneProfile | None, planned_slots: int, source: str = 
                       f"{c.ci_high:+.2f}] <= {profile.bound_pct:g}% on the {profile.bound_on} at {c.residency})")
 
 
+def auto_policy(text: str | None, source: str, mine: ModelIdentity, planned_slots: int) -> tuple[str, str]:
+    """Steps 2-4 and 6 of what `--moe-cache auto` does with the tuned profile found at `source` (its text; None: none
+    was found) when it planned `planned_slots` per layer: (the policy's spec keys, or "" for quality; the reason its
+    plan line ends with). A damaged profile or another model's is not used: quality, and the reason says why. The
+    reference that the C++ reader (src/llama/llama-expert-tuned.cpp) is tested against (tests/test_tuned.py)."""
+    if text is None:
+        return tuned_policy(None, planned_slots)
+    try:
+        p = parse_tune_profile(text, source)
+        check_profile_model(p, mine, source)
+    except HarnessError as e:
+        return "", f"policy quality ({e})"
+    return tuned_policy(p, planned_slots, source)
+
+
 # ---- the machine ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -536,7 +551,11 @@ def parse_tune_profile(text: str, source: str) -> TuneProfile:
         for i, c in enumerate(choices):
             _num(c.fraction, f"choices[{i}].fraction")
             _num(c.delta_pct, f"choices[{i}].delta_pct")
+            _num(c.ci_low, f"choices[{i}].ci_low")
+            _num(c.ci_high, f"choices[{i}].ci_high")
             _num(c.est_tokens_per_s, f"choices[{i}].est_tokens_per_s")
+            if isinstance(c.slots, bool) or not isinstance(c.slots, int):
+                raise HarnessError(f"choices[{i}].slots is {c.slots!r}, not an integer")
             keys = [item.partition("=")[0].strip() for item in c.policy.split(",")] if isinstance(c.policy, str) \
                 else []
             if not keys or not all(k in POLICY_KEYS for k in keys) or len(set(keys)) != len(keys):

@@ -39,6 +39,11 @@ LLAMA_API bool llama_expert_cache_counters_get(const struct llama_context * ctx,
 LLAMA_API int32_t llama_expert_cache_metrics(const struct llama_context * ctx, char * buf, size_t size);
 LLAMA_API int32_t llama_expert_cache_props  (const struct llama_context * ctx, char * buf, size_t size);
 
+// The one line in which `--moe-cache auto` said what it chose for the context's model and why ("<spec>: <why>", or
+// "off: <why>"), as logged (a warning, which llama-cli's default verbosity does not show: llama-server's /props carries
+// it as moe_cache_auto and llama-cli prints it in its banner). Like snprintf; 0 when the context was not made with auto.
+LLAMA_API int32_t llama_expert_cache_auto_plan(const struct llama_context * ctx, char * buf, size_t size);
+
 // Async-signal-safe, from any thread: a thread of the cache writes the stats= and profile_out= files of every live
 // expert cache now (each through a temporary file renamed over it), so that a process that may never reach its end
 // keeps them (llama-server on its first SIGTERM or SIGINT: under load it hangs there, upstream's behaviour). Returns

@@ -58,6 +58,10 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     if (m.n_expert <= 0 || m.k <= 0 || m.per_slot == 0) {
         return auto_off("the model has no routed experts: the cache has nothing to hold");
     }
+    if (!m.remote.empty()) {
+        return auto_off("MoE layers are on " + m.remote + ", a device reached over the network (ggml-rpc): the cache "
+            "serves local layers only, so the model runs stock");
+    }
 
     // what the process holds in RAM with the cache off: every weight in host memory (mmap: its pages), the context,
     // the compute buffers and the runtime; a GPU holds the rest
@@ -118,6 +122,7 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         p.off   = false;
         p.slots = n;
         p.keys  = { {"mode", "engine"}, {"policy", policy}, {"host", "file"}, {"ram", auto_mib(b.budget)} };
+        p.policy_why = policy_why;
         p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM, the rest read "
             "from the model file; %s", what.c_str(), n, m.n_expert, policy_why.c_str());
         return p;
@@ -149,6 +154,7 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     p.off   = false;
     p.slots = n;
     p.keys  = { {"mode", "engine"}, {"policy", policy}, {"vram", auto_mib(v.budget)} };
+    p.policy_why = policy_why;
     if (fits_ram) {
         p.why = auto_format("the experts are in host memory (%.1f MiB, which fits in the %s): the VRAM cache, %d of %d "
             "experts per layer on the GPU (vram= from %.1f MiB of room less a %d%% margin); %s", m.experts/MiB,
@@ -229,6 +235,16 @@ bool llama_expert_auto_user_gives(const std::string & rest, const std::string & 
     return false;
 }
 
+std::string llama_expert_auto_user_items(const std::string & rest, const std::vector<std::string> & keys) {
+    std::string s;
+    for (const auto & u : auto_items(rest)) {
+        if (std::find(keys.begin(), keys.end(), auto_key_of(u)) != keys.end()) {
+            s += (s.empty() ? "" : ",") + u;
+        }
+    }
+    return s;
+}
+
 std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const std::string & rest) {
     const std::vector<std::string> user = auto_items(rest);
     if (plan.off) {
@@ -246,7 +262,31 @@ std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const st
     return s;
 }
 
-std::string llama_expert_auto_tuned_policy(const std::string & model_path) {
-    (void) model_path; // issue 24 item 2 (harness tune) will write the profile this reads
-    return "";
+void llama_expert_auto_set_policy(llama_expert_auto_plan & plan, const std::string & policy,
+        const std::string & policy_why) {
+    if (plan.off || !plan.err.empty()) {
+        return;
+    }
+    if (!plan.policy_why.empty() && plan.why.size() >= plan.policy_why.size() &&
+            plan.why.compare(plan.why.size() - plan.policy_why.size(), std::string::npos, plan.policy_why) == 0) {
+        plan.why = plan.why.substr(0, plan.why.size() - plan.policy_why.size()) + policy_why;
+    } else {
+        plan.why += "; " + policy_why;
+    }
+    plan.policy_why = policy_why;
+    if (policy.empty()) {
+        return;
+    }
+    std::vector<std::pair<std::string, std::string>> keys;
+    for (const auto & kv : plan.keys) {
+        if (kv.first != "policy") {
+            keys.push_back(kv);
+            continue;
+        }
+        for (const std::string & item : auto_items(policy)) {
+            const size_t eq = item.find('=');
+            keys.emplace_back(auto_key_of(item), eq == std::string::npos ? "" : item.substr(eq + 1));
+        }
+    }
+    plan.keys = keys;
 }

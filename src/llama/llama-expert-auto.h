@@ -28,6 +28,7 @@ struct llama_expert_auto_model {
     bool     experts_host = true;  // the routed experts are in host memory (false: on a device, with the rest)
     bool     mapped       = true;  // the routed experts are mapped from the model file (host=file can read them)
     bool     repacked     = false; // an expert tensor is in a repacked CPU layout (the engine copies plain rows)
+    std::string remote;            // a MoE layer is on a device reached over the network (ggml-rpc): its name
     // a GPU holds the MoE layers: its free memory now, and what of ours it holds already (the vram= budget counts them)
     bool     gpu         = false;
     uint64_t dev_free    = 0;
@@ -42,14 +43,15 @@ struct llama_expert_auto_plan {
     std::string why;
     std::string err;   // non-empty: refuse the context with this line
     int32_t     slots = 0;     // the planned slots per layer (0 when off)
+    std::string policy_why;    // the end of `why` that names the policy and why it is that one
 
     // "mode=engine,policy=quality,host=file,ram=1843M" ("mode=off" when off)
     std::string spec() const;
 };
 
 // The decision. usable and facts: llama_expert_machine::usable() and describe(); reserve: vram_reserve (the compute
-// buffers); readers: the file tier's reader threads; policy: the preset to run ("" = quality; a tuned profile's
-// choice from llama_expert_auto_tuned_policy, or the user's: policy_given).
+// buffers); readers: the file tier's reader threads; policy: the preset to run ("" = quality, or the user's:
+// policy_given; a tuned profile's choice replaces it afterwards: llama_expert_auto_set_policy).
 llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & m, uint64_t usable,
         const std::string & facts, uint64_t reserve, int32_t readers, const std::string & policy,
         bool policy_given = false);
@@ -61,11 +63,17 @@ bool llama_expert_auto_requested(const std::string & spec, std::string & rest);
 // Whether the user's keys after `auto` give `key`.
 bool llama_expert_auto_user_gives(const std::string & rest, const std::string & key);
 
+// The user's items after `auto` whose key is one of `keys`, in their order ("vram_reserve=16M,policy=speed"): the keys
+// the decision reads, parsed without the others (a key valid only beside the plan's, such as tau=, must not make the
+// decision lose them).
+std::string llama_expert_auto_user_items(const std::string & rest, const std::vector<std::string> & keys);
+
 // The spec to run: the plan's keys, those the user gave in `rest` replaced by the user's values, then the user's
 // other keys. An off plan with user keys stays off ("mode=off," + rest: the parser warns that they have no effect).
 std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const std::string & rest);
 
-// The hook for a tuned profile (issue 24, item 2: `harness tune` writes one next to the model or in the user's cache
-// folder): the policy it chose for this model and machine, "" when there is none (then auto runs `quality`). Not
-// implemented yet: always "".
-std::string llama_expert_auto_tuned_policy(const std::string & model_path);
+// The plan with another policy (a tuned profile's: llama-expert-tuned.h): `policy`'s spec keys in place of the plan's
+// policy=... item and `policy_why` in place of the end of `why` that named it; policy "" keeps the plan's keys (only the
+// reason changes). Nothing for a plan that is off or an error.
+void llama_expert_auto_set_policy(llama_expert_auto_plan & plan, const std::string & policy,
+        const std::string & policy_why);

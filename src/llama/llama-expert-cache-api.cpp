@@ -112,6 +112,10 @@ int32_t llama_expert_cache_props(const llama_context * ctx, char * buf, size_t s
     return text_out(s, buf, size);
 }
 
+int32_t llama_expert_cache_auto_plan(const llama_context * ctx, char * buf, size_t size) {
+    return text_out(ctx ? llama_expert_cache_auto_line(ctx->get_model()) : std::string(), buf, size);
+}
+
 void llama_expert_cache_write_files(void) {
     llama_expert_writer_request();
 }

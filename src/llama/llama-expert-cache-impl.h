@@ -246,3 +246,7 @@ struct llama_expert_cache_impl {
     void trace_write(const llama_expert_cache_layer & L, uint32_t token, const int32_t * ids, const float * w,
                      const int32_t * out, const uint8_t * act, const float * scores, const int32_t * pred);
 };
+
+// The plan line of `--moe-cache auto` that the model's last context logged ("<spec>: <why>", "off: <why>"); "" when that
+// context was not created with auto (llama_expert_cache_auto_plan: llama-server's /props, llama-cli's banner)
+std::string llama_expert_cache_auto_line(const llama_model & model);

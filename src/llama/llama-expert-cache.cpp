@@ -6,6 +6,7 @@
 
 #include "llama-expert-profile.h"
 #include "llama-expert-machine.h"
+#include "llama-expert-tuned.h"
 #include "llama-expert-writer.h"
 
 #include "llama-adapter.h"
@@ -24,8 +25,11 @@
 #include <cstdlib>
 #include <cerrno>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 //
@@ -59,6 +63,36 @@ void llama_expert_cache::reset() {
     impl->reset();
 }
 
+// the model file's path of each loaded model (model_loaded); a model freed and another loaded at its address
+// replaces its entry, since every load calls the hook
+static std::mutex                                 g_model_path_mutex;
+static std::map<const llama_model *, std::string> g_model_path;
+
+void llama_expert_cache::model_loaded(const llama_model & model, const char * path) {
+    std::lock_guard<std::mutex> lock(g_model_path_mutex);
+    g_model_path[&model] = path != nullptr ? path : "";
+}
+
+static std::string expert_cache_model_path(const llama_model & model) {
+    std::lock_guard<std::mutex> lock(g_model_path_mutex);
+    const auto it = g_model_path.find(&model);
+    return it == g_model_path.end() ? "" : it->second;
+}
+
+// the auto plan line of each model's last context (llama_expert_cache_auto_line), under the same mutex
+static std::map<const llama_model *, std::string> g_auto_line;
+
+static void expert_cache_set_auto_line(const llama_model & model, const std::string & line) {
+    std::lock_guard<std::mutex> lock(g_model_path_mutex);
+    g_auto_line[&model] = line;
+}
+
+std::string llama_expert_cache_auto_line(const llama_model & model) {
+    std::lock_guard<std::mutex> lock(g_model_path_mutex);
+    const auto it = g_auto_line.find(&model);
+    return it == g_auto_line.end() ? "" : it->second;
+}
+
 //
 // construction
 //
@@ -77,6 +111,9 @@ static void replay_needs_cache(const llama_model & model) {
 }
 
 std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory) {
+    if (!model.hparams.no_alloc) {
+        expert_cache_set_auto_line(model, ""); // this context's plan line, if auto makes one
+    }
     const char * spec = getenv(LLAMA_EXPERT_CACHE_ENV);
     if (spec == nullptr || spec[0] == '\0') {
         replay_needs_cache(model);
@@ -101,24 +138,74 @@ std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const
 // one line with why; the keys the user gave after `auto` override the plan's
 static std::string expert_cache_auto_spec(const llama_model & model, const char * spec, const std::string & rest,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) {
-    // the user's keys that the decision reads (vram_reserve, readers, policy); defaults where not given or not valid
-    // (the composed spec is parsed, and refused in one line, below)
+    // the user's keys that the decision reads (vram_reserve, readers, policy), parsed alone; defaults where not given
+    // or not valid (the composed spec is parsed, and refused in one line, below)
     llama_expert_cache_config given;
     std::string err;
-    if (!llama_expert_cache_config_parse(rest, given, err)) {
+    if (!llama_expert_cache_config_parse(llama_expert_auto_user_items(rest, {"vram_reserve", "readers", "policy"}),
+            given, err)) {
         given = llama_expert_cache_config();
     }
     const bool policy_given = llama_expert_auto_user_gives(rest, "policy");
     const llama_expert_auto_model facts = llama_expert_engine_auto_facts(model, ctx_mem);
     const llama_expert_machine machine = llama_expert_machine_current();
-    const llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
-        given.vram_reserve, given.readers, policy_given ? given.preset : llama_expert_auto_tuned_policy(""), policy_given);
+    llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
+        given.vram_reserve, given.readers, policy_given ? given.preset : "", policy_given);
     if (!plan.err.empty()) {
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + plan.err);
     }
+    // the tuned profile's policy (docs/expert-cache.md, "Tuned profile"), unless the user gave one or the plan is off;
+    // not in a memory-fitting dry run (no tensor data to fingerprint; the policy does not change the memory)
+    std::string tuned_path;
+    const llama_expert_auto_plan quality = plan;
+    bool tuned_used = false;
+    if (!plan.off && !policy_given && !model.hparams.no_alloc) {
+        const std::string model_path = expert_cache_model_path(model);
+        tuned_path = llama_expert_tuned_find(model_path);
+        if (!tuned_path.empty()) {
+            llama_expert_tuned_model mine;
+            const size_t slash = model_path.find_last_of('/');
+            mine.file_name = slash == std::string::npos ? model_path : model_path.substr(slash + 1);
+            struct stat st;
+            mine.file_bytes = stat(model_path.c_str(), &st) == 0 ? (uint64_t) st.st_size : 0;
+            char fp[32];
+            snprintf(fp, sizeof(fp), "%016llx", (unsigned long long) llama_expert_fingerprint_of_model(model));
+            mine.fingerprint = fp;
+            std::string policy;
+            std::string why;
+            llama_expert_tuned_policy(tuned_path, mine, plan.slots, policy, why);
+            // a policy this build's parser refuses on its own (a value it does not know) is the profile's fault: not
+            // used, and the line says why
+            llama_expert_auto_plan tuned = plan;
+            llama_expert_auto_set_policy(tuned, policy, why);
+            llama_expert_cache_config probe;
+            if (!policy.empty() && !llama_expert_cache_config_parse(tuned.spec(), probe, err)) {
+                llama_expert_auto_set_policy(plan, "", "policy quality (the tuned profile " + tuned_path +
+                    " has a policy this build refuses: " + err + ")");
+            } else {
+                plan = tuned;
+                tuned_used = !policy.empty();
+            }
+        }
+    }
     const std::string run = llama_expert_auto_spec(plan, rest);
+    if (tuned_used) {
+        // the user's keys that go with quality and not with the tuned policy (e.g. async=off with a tuned
+        // prefetch=on): refused as any spec, the line naming the profile
+        llama_expert_cache_config probe;
+        if (!llama_expert_cache_config_parse(run, probe, err) &&
+                llama_expert_cache_config_parse(llama_expert_auto_spec(quality, rest), probe, err)) {
+            llama_expert_cache_config_parse(run, probe, err);
+            throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + run + ": " + err +
+                " (the policy keys are the tuned profile " + tuned_path + "'s: give policy= after auto to override it)");
+        }
+    }
     if (!model.hparams.no_alloc) {
-        LLAMA_LOG_INFO("llama_expert_cache: auto: %s: %s\n", plan.off ? "off" : run.c_str(), plan.why.c_str());
+        // a warning, so that the tools show it at their default verbosity (common shows libllama's info lines only
+        // from -lv 4): the user sees what auto chose and why, in one line
+        const std::string line = std::string(plan.off ? "off" : run) + ": " + plan.why;
+        LLAMA_LOG_WARN("llama_expert_cache: auto: %s\n", line.c_str());
+        expert_cache_set_auto_line(model, line);
     }
     return run;
 }

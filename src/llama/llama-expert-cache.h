@@ -1,8 +1,8 @@
 #pragma once
 
 // The MoE expert cache (moe-subst): the hooks that upstream llama.cpp calls. This is the only header of ours that the
-// patches include (patches/0004: src/llama-context.cpp and src/llama-graph.cpp): an opaque handle and five hooks,
-// each named with its call site. The cache itself (its configuration, policy, engine, copier threads and mutexes) is
+// patches include (patches/0004: src/llama-context.cpp and src/llama-graph.cpp; 0011: src/llama.cpp): an opaque
+// handle and six hooks, each named with its call site. The cache itself (its configuration, policy, engine, copier threads and mutexes) is
 // behind the handle, in llama-expert-cache-impl.h, which upstream objects never see.
 //
 // To add a hook: a method here that forwards to the cache, its call site in a patch (scripts/patches.sh), a line in
@@ -23,6 +23,11 @@ struct llama_expert_cache_impl;
 struct llama_expert_cache {
     explicit llama_expert_cache(std::unique_ptr<llama_expert_cache_impl> impl);
     ~llama_expert_cache();
+
+    // Call site: llama_model_load_from_file_impl (src/llama.cpp), once a model is loaded. The path of the model file
+    // as the application gave it (a split model's first part; "" for a model loaded from a FILE * or built from the
+    // user's metadata): `--moe-cache auto` looks for the model's tuned profile next to it (llama-expert-tuned.h).
+    static void model_loaded(const llama_model & model, const char * path);
 
     // Call site: llama_context::llama_context, after the memory (KV cache) is created. The cache configured by the
     // LLAMA_MOE_CACHE environment variable; null when it is unset or mode=off. memory: the context's memory (may be

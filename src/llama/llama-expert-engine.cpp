@@ -32,6 +32,16 @@ static ggml_backend_dev_t layer_dev(const llama_model & model, int il) {
     }
 }
 
+// a device reached over the network (ggml-rpc's devices, `--rpc`); its name and description ("RPC0 (127.0.0.1:50052)")
+// for messages, "" for a local device
+static std::string llama_expert_engine_remote_dev(ggml_backend_dev_t dev) {
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    if (reg == nullptr || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
+        return "";
+    }
+    return std::string(ggml_backend_dev_name(dev)) + " (" + ggml_backend_dev_description(dev) + ")";
+}
+
 // the dimension of src that indexes experts: its highest dimension with more than one element
 static int expert_dim(const ggml_tensor * t) {
     for (int d = GGML_MAX_DIMS - 1; d > 0; --d) {
@@ -85,6 +95,13 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
             continue;
         }
         const auto srcs = layer_expert_tensors(model.layers[il]);
+        // the banks would be on a remote device: every fetch a network round trip, and no copy stream (issue 24 item 4)
+        const std::string remote = llama_expert_engine_remote_dev(layer_dev(model, (int) il));
+        if (!remote.empty()) {
+            throw std::runtime_error(pfx + "mode=engine does not serve layers on a remote device, and layer " +
+                std::to_string(il) + " is on " + remote + " (ggml-rpc): keep the MoE layers local (no --rpc, or "
+                "-ot/--tensor-split), or run these layers stock (mode=off; mode=emulate works)");
+        }
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
         ggml_context * ctx = ctx_for(buft);
         // three tiers: the RAM tier in the device's pinned host memory (fast asynchronous copies to a GPU), else RAM
@@ -840,6 +857,9 @@ llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model
             continue;
         }
         ggml_backend_dev_t dev = layer_dev(model, (int) il);
+        if (m.remote.empty()) {
+            m.remote = llama_expert_engine_remote_dev(dev);
+        }
         if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
             m.gpu = true;
             gpu = gpu ? gpu : dev;

@@ -148,15 +148,57 @@ static void test_spec_composition() {
     // an off plan stays off (the parser warns that the user's keys have no effect)
     p = llama_expert_auto_decide(big_model(), 64*GiB, "x", RESERVE, 4, "");
     CHECK(llama_expert_auto_spec(p, "") == "mode=off" && llama_expert_auto_spec(p, "stats=s") == "mode=off,stats=s");
-    CHECK(llama_expert_auto_tuned_policy("/m.gguf").empty()); // the hook, not implemented yet
     CHECK(llama_expert_auto_user_gives("stats=s, policy = speed", "policy"));
     CHECK(!llama_expert_auto_user_gives("stats=policy", "policy") && !llama_expert_auto_user_gives("", "policy"));
     p = llama_expert_auto_decide(big_model(), 16*GiB, "x", RESERVE, 4, "speed", true);
     CHECK(has(p.why, "policy speed (given)"));
 }
 
+// a tuned profile's policy in place of quality (llama-expert-tuned.h chooses it; tests/test_tuned.py checks the choice)
+static void test_tuned_policy() {
+    llama_expert_auto_plan p = llama_expert_auto_decide(big_model(), 16*GiB, "x", RESERVE, 4, "");
+    const std::string head = p.why.substr(0, p.why.size() - p.policy_why.size());
+    CHECK(p.policy_why == "policy quality (no tuned profile)" && has(p.why, p.policy_why));
+    llama_expert_auto_set_policy(p, "rule=zero,tau=0.3,evict=lfu,admit=off,prefetch=on", "policy rule=zero,... (tuned x)");
+    CHECK(p.spec() == "mode=engine,rule=zero,tau=0.3,evict=lfu,admit=off,prefetch=on,host=file,ram=14745M");
+    CHECK(p.why == head + "policy rule=zero,... (tuned x)" && p.slots == 93);
+    CHECK(parses(p.spec()));
+    // the user's key overrides a tuned one of the same name
+    CHECK(llama_expert_auto_spec(p, "tau=0.1") ==
+          "mode=engine,rule=zero,evict=lfu,admit=off,prefetch=on,host=file,ram=14745M,tau=0.1");
+    // no policy (a profile not used): the keys stay, the reason changes
+    p = llama_expert_auto_decide(big_model(), 16*GiB, "x", RESERVE, 4, "");
+    llama_expert_auto_set_policy(p, "", "policy quality (the tuned profile t.json is damaged: x)");
+    CHECK(p.spec() == "mode=engine,policy=quality,host=file,ram=14745M");
+    CHECK(p.why == head + "policy quality (the tuned profile t.json is damaged: x)");
+    // the keys the decision reads, without the others
+    CHECK(llama_expert_auto_user_items("tau=0.2, vram_reserve=16M,stats=s,policy=speed", {"vram_reserve", "policy"}) ==
+          " vram_reserve=16M,policy=speed");
+    CHECK(llama_expert_auto_user_items("", {"policy"}).empty() && llama_expert_auto_user_items("tau=1", {"policy"}).empty());
+    // an off plan is left alone
+    p = llama_expert_auto_decide(big_model(), 64*GiB, "x", RESERVE, 4, "");
+    const std::string why = p.why;
+    llama_expert_auto_set_policy(p, "rule=zero", "policy rule=zero (tuned)");
+    CHECK(p.off && p.spec() == "mode=off" && p.why == why);
+}
+
+// MoE layers on a remote device (ggml-rpc): off, naming it, whatever the memory says
+static void test_remote_layers() {
+    llama_expert_auto_model m = big_model();
+    m.gpu = true;
+    m.remote = "RPC0 (127.0.0.1:50052)";
+    m.dev_free = 64*GiB;
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "RPC0 (127.0.0.1:50052)") && has(p.why, "runs stock"));
+    m.remote.clear();
+    p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!p.off);
+}
+
 int main() {
+    test_remote_layers();
     test_cpu_plans();
+    test_tuned_policy();
     test_gpu_plans();
     test_spec_composition();
     if (n_fail) {
