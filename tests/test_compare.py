@@ -344,6 +344,8 @@ def test_default_model_and_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     (tmp_path / "models" / "other.gguf").write_bytes(b"GGUF")
     with pytest.raises(HarnessError, match="several models"):
         default_model(tmp_path)
+    (tmp_path / "models" / "tinymoe-f16.gguf").write_bytes(b"GGUF")  # several, the default among them
+    assert default_model(tmp_path) == tmp_path / "models" / "tinymoe-f16.gguf"
     (tmp_path / "eval" / "data").mkdir(parents=True)
     (tmp_path / "eval" / "data" / "heldout.txt").write_text("held out")
     assert resolve_text(None, None, tmp_path) == tmp_path / "eval" / "data" / "heldout.txt"

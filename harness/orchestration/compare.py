@@ -190,8 +190,14 @@ def reload_compare(out: Path, *, model: Path | None = None) -> CompareResult:
 DEFAULT_TEXT = Path("eval/data/heldout.txt")
 
 
+# with several models under models/, the default is the quick one: tinymoe (64 experts; seconds a run). The model
+# with the study's routing shape (models/studymoe-q8_0.gguf, 512 experts, top-10) is 5-10x slower: pass it by --model.
+DEFAULT_MODEL_NAME = "tinymoe-f16.gguf"
+
+
 def default_model(root: Path | None = None) -> Path:
-    """The project's trained model: the one .gguf under models/ (README)."""
+    """The project's trained model: the one .gguf under models/, or with several the default, DEFAULT_MODEL_NAME
+    (README)."""
     base = (root or project.project_root()) / "models"
     found = sorted(base.glob("*.gguf")) if base.is_dir() else []
     if len(found) == 1:
@@ -199,6 +205,8 @@ def default_model(root: Path | None = None) -> Path:
     if not found:
         raise HarnessError(f"no default model: {base} holds no .gguf (the project's trained model); pass --model "
                            "FILE (for a quick try, make one with `harness synth -o m.gguf`)")
+    if base / DEFAULT_MODEL_NAME in found:
+        return base / DEFAULT_MODEL_NAME
     raise HarnessError(f"{base} holds several models ({', '.join(p.name for p in found)}): pass --model FILE")
 
 
