@@ -69,6 +69,10 @@ def parse_memory_breakdown(text: str) -> MemoryBreakdown:
     rows: list[MemoryRow] = []
     for line in text[headers[-1].end():].splitlines()[1:]:
         if _FUNC not in line:
+            # Other writers share stderr: ggml-vulkan's allocation logger writes straight to it while llama.cpp's
+            # log thread prints the table, so their lines can fall between the table's rows. Skip them.
+            continue
+        if _FUNC + "|" not in line:
             break
         if (m := _DEVICE_RE.search(line)) is not None:
             rows.append(MemoryRow(m["name"], True, int(m["self"]), int(m["model"]), int(m["context"]),

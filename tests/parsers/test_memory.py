@@ -57,3 +57,17 @@ def test_missing_or_damaged_table() -> None:
     garbled = _fit_cpp_table().replace("+ (22983", "+ [22983")
     with pytest.raises(ParseError, match="unexpected memory breakdown row"):
         parse_memory_breakdown(garbled)
+
+
+def test_rows_survive_lines_of_other_writers_between_them() -> None:
+    # ggml-vulkan's allocation logger (GGML_VK_MEMORY_LOGGER=1) writes to stderr itself while llama.cpp's log
+    # thread prints the table: a CI run had its lines between the device row and the Host row
+    lines = _fit_cpp_table().splitlines()
+    vk = ["ggml_vulkan memory: ggml_backend_vk_buffer_free_buffer()",
+          "ggml_vulkan memory: Vulkan0: -34.00 KiB device at 0x55ac34326760. Total device: 16.58 MiB, total host: 0 B"]
+    mixed = "\n".join(lines[:3] + vk + lines[3:4] + vk + lines[4:] + vk) + "\n"
+    mb = parse_memory_breakdown(mixed)
+    assert [r.name for r in mb.rows] == ["CUDA0 (RTX 3090)", "Host", "CPU_REPACK"]
+    # a later line of the same function that is not a row still ends the table
+    tail = mixed + "0.01.4 I " + F + ": something else\n" + lines[3] + "\n"
+    assert [r.name for r in parse_memory_breakdown(tail).rows] == ["CUDA0 (RTX 3090)", "Host", "CPU_REPACK"]
