@@ -346,6 +346,8 @@ def test_file_tier_fetch_all_with_prefetch_is_stock(tier: str, models: dict[str,
         assert e["pack_reads"] == e["file_reads"] > 0
     if tier == "three tiers":
         assert t["file_loads"] > 0
+        # every expert the policy placed came through the RAM tier, prefetches too (dropped ones included)
+        assert t["ram_tier_loads"] + t["file_loads"] == t["fetches"] + t["admissions"] + t["prefetches"], t
     assert e["prefetch_cancelled"] > 0 and t["prefetch_dropped"] > 0  # the hook made reads late: some were dropped
     assert e["prefetch_waits"] > 0
 
