@@ -441,62 +441,20 @@ def test_device_host_file_and_three_tiers(tiers: str, vulkan: Vulkan, text: Path
     assert eng.logits == emu.logits
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def serve_two_requests(vulkan: Vulkan, model: Path, spec: str, log_path: Path, *, env: dict[str, str] | None = None,
                        before: Callable[[], object] | None = None) -> tuple[str, str]:
     """llama-server on Vulkan0 (banks there) with the cache spec; once it is up, before() (if given), then two
     completions; the server must still run after them. Returns both answers (an error's body for a failed one);
     the server's log is in log_path."""
-    import time
-    import urllib.error
-    import urllib.request
+    from harness.tools.server import llama_server
 
-    port = _free_port()
-    full_env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}, **DEVICE_ENV, **(env or {})}
-
-    def complete() -> str:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion",
-                                     data=json.dumps({"prompt": "Once upon a time", "n_predict": 16}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return "ok: " + r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.read().decode(errors="replace")
-
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([str(vulkan.patched.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
-                                 "--port", str(port), "-c", "256", "-ub", "1", "-t", THREADS, "--no-warmup", "-lv", "4",
-                                 *PLACEMENT, "--moe-cache", spec],
-                                env=full_env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 120
-            while time.time() < deadline and proc.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(0.3)
-            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-            if before is not None:
-                before()
-            first, second = complete(), complete()
-            assert proc.poll() is None  # the server still runs
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with llama_server(vulkan.patched.tool("llama-server"), model, log_path, spec=spec, ctx=256, ready_timeout=120,
+                      env={**os.environ, **DEVICE_ENV, **(env or {})},
+                      extra=["-ub", "1", "-t", THREADS, "--no-warmup", "-lv", "4", *PLACEMENT]) as server:
+        if before is not None:
+            before()
+        first, second = server.complete("Once upon a time"), server.complete("Once upon a time")
+        assert server.proc.poll() is None  # the server still runs
     return first, second
 
 

@@ -509,14 +509,6 @@ def test_gpu_check_dry_run() -> None:
     assert "gguf-py python3 -m harness synth" in res.stdout and ".venv" not in res.stdout
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _metrics(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
@@ -532,29 +524,15 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
     """llama-server with the engine answers concurrent requests (2 parallel slots, loopback, bounded) and reports
     consistent cache counters on /metrics, all zero before the first request; /props names the policy."""
     import threading
-    import time
     import urllib.request
 
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
-    log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen([str(engine_build.tool("llama-server")), "-m", str(engine_models["qwen3moe"]),
-                             "--host", "127.0.0.1", "--port", str(port), "-np", "2", "-c", "1024", "-t", THREADS,
-                             "--metrics", "--moe-cache", "mode=engine,policy=quality,slots=25%,bypass=32"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.time() < deadline, "llama-server did not become healthy"
-            time.sleep(0.2)
+    from harness.tools.server import llama_server
+
+    log_path = tmp_path / "server.log"
+    with llama_server(engine_build.tool("llama-server"), engine_models["qwen3moe"], log_path, ctx=1024,
+                      spec="mode=engine,policy=quality,slots=25%,bypass=32", extra=["-np", "2", "-t", THREADS],
+                      ready_timeout=60) as server:
+        base = server.base
         # before the first request: every counter zero (the start-up probe decode after the warmup does not count)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             m0 = _metrics(r.read().decode())
@@ -579,18 +557,11 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
         for t in threads:
             t.join(timeout=180)
         assert not errors, errors
-        assert proc.poll() is None
+        assert server.proc.poll() is None
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             m = _metrics(r.read().decode())
         with urllib.request.urlopen(base + "/props", timeout=10) as r:
             props = json.loads(r.read())
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     assert props.get("moe_cache") == {"mode": "engine", "policy": "quality", "rule": "threshold", "tau": 0.15,
                                       "evict": "lfu", "admit": True, "host": "ram", "n_slots": N_EXPERT // 4,
                                       "n_expert": N_EXPERT,
@@ -605,7 +576,7 @@ def test_engine_server_concurrent(engine_models: dict[str, Path], tmp_path: Path
     assert m["background_experts"] <= m["copied_experts"] and m["copy_wait_seconds"] >= 0
     assert 0 < m["copied_experts"]
     # decode graphs were reused (the route op runs in a reused graph and reads the cache's current state)
-    reused = [int(n) for n in re.findall(r"graphs reused =\s+(\d+)", (tmp_path / "server.log").read_text())]
+    reused = [int(n) for n in re.findall(r"graphs reused =\s+(\d+)", log_path.read_text())]
     assert reused and max(reused) > 0
 
 

@@ -11,25 +11,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from harness.core.project import Build
 from harness.parsers.cache_stats import parse_cache_stats
+from harness.tools.server import Server
+from harness.tools.server import llama_server as server_tool
 from harness.tools.synth import SynthSpec, write_synth_model
 
 pytestmark = pytest.mark.build
@@ -48,67 +44,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen  # type: ignore[type-arg]
-    base: str
-    log_path: Path
-
-    def complete(self, prompt: str = "one two three", n_predict: int = 16, timeout: float = 180) -> str:
-        """The answer's content prefixed with "ok: ", or the error body of a failed request (n_predict tokens: the
-        end-of-sequence token does not end it)."""
-        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": False,
-                           "ignore_eos": True})
-        req = urllib.request.Request(self.base + "/completion", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return "ok: " + json.loads(r.read())["content"]
-        except urllib.error.HTTPError as e:
-            return e.read().decode(errors="replace")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @contextmanager
 def llama_server(build: Build, model: Path, spec: str, log_path: Path, extra: Sequence[str] = (),
                  ctx: int = 256) -> Iterator[Server]:
-    """llama-server on loopback with the cache spec, healthy; stopped (SIGTERM, then SIGKILL) at the end."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([str(build.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
-                                 "--port", str(port), "-c", str(ctx), "-ub", "1", "-t", THREADS, "--no-warmup",
-                                 *extra, "--moe-cache", spec], env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(server.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, server.log()[-3000:]
-            assert time.time() < deadline, "llama-server did not become healthy: " + server.log()[-3000:]
-            time.sleep(0.2)
+    """harness.tools.server's llama-server with the cache spec, one-token ubatches and no warmup, healthy; stopped
+    (SIGTERM, then SIGKILL) at the end."""
+    with server_tool(build.tool("llama-server"), model, log_path, spec=spec, ctx=ctx, ready_timeout=90,
+                     extra=["-ub", "1", "-t", THREADS, "--no-warmup", *extra]) as server:
         yield server
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # ---- the model file changed under the file tier (issue 26, item 8) ---------------------------------------------

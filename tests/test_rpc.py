@@ -23,15 +23,10 @@ from pathlib import Path
 import pytest
 
 from harness.core.project import Build
+from harness.tools.server import free_port
 from harness.tools.synth import SynthSpec, write_synth_model
 
 RPC_SERVER = "ggml-rpc-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -40,7 +35,7 @@ def rpc_server(build: Build, log: Path) -> Iterator[str]:
     exe = build.bin_dir / RPC_SERVER
     if not exe.is_file():
         pytest.skip(f"the {build.name} build has no {RPC_SERVER} (built without GGML_RPC: run ./build.sh)")
-    port = _free_port()
+    port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port), "-t", "2"], stdout=out,
                                 stderr=subprocess.STDOUT)

@@ -8,6 +8,7 @@ so that a client can take per-request deltas: what a turn of a chat cost.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -67,11 +68,29 @@ class Server:
         except urllib.error.URLError as e:
             raise HarnessError(f"llama-server's /metrics did not answer ({e}): {self.log_tail()}") from None
 
-    def log_tail(self, n: int = 2000) -> str:
+    def log(self) -> str:
+        """The server's whole log so far (stdout and stderr)."""
         try:
-            return self.log_path.read_text(errors="replace")[-n:]
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
+
+    def log_tail(self, n: int = 2000) -> str:
+        return self.log()[-n:]
+
+    def complete(self, prompt: str = "one two three", n_predict: int = 16, timeout: float = 180) -> str:
+        """One greedy /completion of exactly n_predict tokens (the end-of-sequence token does not end it, the prompt
+        cache is not used): the answer's content prefixed with "ok: ", or the body of a failed request (a request
+        the cache aborted answers "Compute aborted.")."""
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": False,
+                           "ignore_eos": True})
+        req = urllib.request.Request(self.base + "/completion", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return "ok: " + str(json.loads(r.read())["content"])
+        except urllib.error.HTTPError as e:
+            return e.read().decode(errors="replace")
 
 
 @contextmanager
