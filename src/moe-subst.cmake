@@ -30,6 +30,7 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-io.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-pack.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-copier.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-measure.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-engine.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-route.cpp

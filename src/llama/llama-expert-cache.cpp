@@ -6,6 +6,7 @@
 
 #include "llama-expert-profile.h"
 #include "llama-expert-machine.h"
+#include "llama-expert-measure.h"
 #include "llama-expert-tuned.h"
 #include "llama-expert-writer.h"
 

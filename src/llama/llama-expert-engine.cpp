@@ -1,7 +1,6 @@
 #include "llama-expert-engine.h"
 
-#include "llama-expert-budget.h"
-#include "llama-expert-machine.h"
+#include "llama-expert-measure.h"
 
 #include "llama-expert-policy.h"
 #include "llama-impl.h"
@@ -22,46 +21,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
-
-// the device of a layer (the output device for layers the model did not place, if any)
-static ggml_backend_dev_t layer_dev(const llama_model & model, int il) {
-    try {
-        return model.dev_layer(il);
-    } catch (const std::out_of_range &) {
-        return model.dev_output();
-    }
-}
-
-// a device reached over the network (ggml-rpc's devices, `--rpc`); its name and description ("RPC0 (127.0.0.1:50052)")
-// for messages, "" for a local device
-static std::string llama_expert_engine_remote_dev(ggml_backend_dev_t dev) {
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    if (reg == nullptr || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
-        return "";
-    }
-    return std::string(ggml_backend_dev_name(dev)) + " (" + ggml_backend_dev_description(dev) + ")";
-}
-
-// the dimension of src that indexes experts: its highest dimension with more than one element
-static int expert_dim(const ggml_tensor * t) {
-    for (int d = GGML_MAX_DIMS - 1; d > 0; --d) {
-        if (t->ne[d] > 1) {
-            return d;
-        }
-    }
-    return 0;
-}
-
-// the routed-expert tensors of a layer that the engine banks (gate, up, down or merged gate_up, their biases `_b` and
-// scales `_s`), null where the layer has none: the one list of them, for the banks and the budget
-static constexpr size_t LLAMA_EXPERT_N_TENSORS = 11;
-static std::array<ggml_tensor *, LLAMA_EXPERT_N_TENSORS> layer_expert_tensors(const llama_layer & ml) {
-    return {
-        ml.ffn_up_exps, ml.ffn_gate_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps,
-        ml.ffn_up_exps_b, ml.ffn_gate_exps_b, ml.ffn_down_exps_b, ml.ffn_gate_up_exps_b,
-        ml.ffn_up_exps_s, ml.ffn_gate_exps_s, ml.ffn_down_exps_s,
-    };
-}
 
 llama_expert_engine::llama_expert_engine(const llama_model & model, const std::vector<bool> & moe, int32_t n_expert_,
                                          int32_t n_slots_, llama_expert_async async, const char * prefix, bool host_file,
@@ -94,18 +53,18 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         if (!moe[il]) {
             continue;
         }
-        const auto srcs = layer_expert_tensors(model.layers[il]);
+        const auto srcs = llama_expert_layer_tensors(model.layers[il]);
         // the banks would be on a remote device: every fetch a network round trip, and no copy stream (issue 24 item 4)
-        const std::string remote = llama_expert_engine_remote_dev(layer_dev(model, (int) il));
+        const std::string remote = llama_expert_remote_dev(llama_expert_layer_dev(model, (int) il));
         if (!remote.empty()) {
             throw std::runtime_error(pfx + "mode=engine does not serve layers on a remote device, and layer " +
                 std::to_string(il) + " is on " + remote + " (ggml-rpc): keep the MoE layers local (no --rpc, or "
                 "-ot/--tensor-split), or run these layers stock (mode=off; mode=emulate works)");
         }
-        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(llama_expert_layer_dev(model, (int) il));
         ggml_context * ctx = ctx_for(buft);
         // three tiers: the RAM tier in the device's pinned host memory (fast asynchronous copies to a GPU), else RAM
-        ggml_backend_buffer_type_t ram_buft = ggml_backend_dev_host_buffer_type(layer_dev(model, (int) il));
+        ggml_backend_buffer_type_t ram_buft = ggml_backend_dev_host_buffer_type(llama_expert_layer_dev(model, (int) il));
         if (ram_buft == nullptr) {
             ram_buft = ggml_backend_cpu_buffer_type();
         }
@@ -122,7 +81,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                             : ", not host memory: keep the expert tensors in RAM (--cpu-moe, or -ot exps=CPU)"));
             }
             // copies to a GPU are fast and asynchronous only from pinned memory
-            ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(layer_dev(model, (int) il));
+            ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(llama_expert_layer_dev(model, (int) il));
             if (host_buft && ggml_backend_buffer_get_type(src->buffer) != host_buft && !warned_pageable) {
                 LLAMA_LOG_WARN("%s: WARNING: the expert tensors (e.g. %s, in %s) are in pageable host memory, not in "
                     "%s: every fetch into the cache is a slower, synchronous copy. To load them into pinned memory, "
@@ -130,7 +89,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                     __func__, ggml_get_name(src), ggml_backend_buffer_name(src->buffer), ggml_backend_buft_name(host_buft));
                 warned_pageable = true;
             }
-            const int d = expert_dim(src);
+            const int d = llama_expert_dim(src);
             if (src->ne[d] != n_expert || !ggml_is_contiguous(src)) {
                 throw std::runtime_error(pfx + "unsupported layout of the expert tensor " + ggml_get_name(src) +
                     " (expected a contiguous tensor whose last dimension is the " + std::to_string(n_expert) + " experts)");
@@ -235,7 +194,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         if (no_alloc) {
             continue;
         }
-        ggml_backend_dev_t dev = layer_dev(model, (int) il);
+        ggml_backend_dev_t dev = llama_expert_layer_dev(model, (int) il);
         auto it = copier_of.find(dev);
         if (it == copier_of.end()) {
             auto c = llama_expert_copier_create(dev, async, host_file, readers,
@@ -771,143 +730,4 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_expert_engine::memory_breakdo
         ret[buft] += size;
     }
     return ret;
-}
-
-//
-int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
-        int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram,
-        int32_t readers, bool engine) {
-    llama_expert_budget b;
-    b.ram      = ram;
-    b.budget   = budget;
-    b.reserve  = reserve;
-    b.n_expert = n_expert;
-    b.k        = k;
-    std::map<ggml_backend_buffer_type_t, bool> bufts;
-    uint64_t expert_bytes = 0; // all routed-expert tensors (ram=: they stay in the file, not in the budget)
-    uint64_t max_slice    = 0; // the largest expert slice of any bank: one read
-    bool     host_banks   = true;
-    for (size_t il = 0; il < moe.size(); ++il) {
-        if (!moe[il]) {
-            continue;
-        }
-        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(layer_dev(model, (int) il));
-        bufts[buft] = true;
-        host_banks = host_banks && ggml_backend_buft_is_host(buft);
-        for (const ggml_tensor * t : layer_expert_tensors(model.layers[il])) {
-            if (t) {
-                b.per_slot += t->nb[expert_dim(t)];
-                b.n_banks++;
-                expert_bytes += ggml_nbytes(t);
-                max_slice = std::max<uint64_t>(max_slice, t->nb[expert_dim(t)]);
-            }
-        }
-    }
-    if (ram) {
-        // the process's own memory besides weights, context and banks: each reader thread and the calling thread
-        // keep an aligned buffer of one slice and two 4 KiB blocks (llama-expert-io.cpp, O_DIRECT); the runtime
-        b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (max_slice + 2*4096) : 0;
-        b.baseline = LLAMA_EXPERT_RUNTIME_BASELINE;
-    }
-    for (const auto & [buft, size] : model.memory_breakdown()) {
-        if (ram || bufts.count(buft)) {
-            b.weights += size;
-        }
-    }
-    for (const auto & [buft, size] : ctx_mem) {
-        if (ram || bufts.count(buft)) {
-            b.context += size;
-        }
-    }
-    if (ram) {
-        // ram=: the whole process's weights less the routed experts (read from the file with host=file)
-        b.weights = b.weights > expert_bytes ? b.weights - expert_bytes : 0;
-    }
-    std::string err;
-    const int32_t n_slots = llama_expert_budget_slots(b, err);
-    if (n_slots < 0) {
-        throw std::runtime_error(prefix + err);
-    }
-    // what the process may really hold (memory cgroup, MemAvailable): a plan above it is one line, not an OOM kill;
-    // vram= is checked where its banks are host memory (CPU builds); a GPU's own memory is not read here. Emulate
-    // mode allocates no banks (its budget may describe another machine): not checked
-    if (engine && (ram || host_banks) && !model.hparams.no_alloc) {
-        const llama_expert_machine m = llama_expert_machine_current();
-        if (!llama_expert_budget_check_usable(b, n_slots, m.usable(), m.describe(), err)) {
-            throw std::runtime_error(prefix + err);
-        }
-    }
-    // the same arithmetic in exact bytes, for the harness (harness plan: one formula on both sides, tested)
-    LLAMA_LOG_INFO("%s: %s\n", __func__, llama_expert_budget_plan_line(b, n_slots).c_str());
-    LLAMA_LOG_INFO("%s: %s\n", __func__, llama_expert_budget_summary(b, n_slots).c_str());
-    return n_slots;
-}
-
-llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) {
-    llama_expert_auto_model m;
-    m.n_expert = (int32_t) model.hparams.n_expert;
-    m.k        = (int32_t) model.hparams.n_expert_used_max();
-    std::map<ggml_backend_buffer_type_t, bool> dev_bufts; // the buffer types of the GPU that holds the MoE layers
-    ggml_backend_dev_t gpu = nullptr;
-    for (size_t il = 0; il < model.layers.size(); ++il) {
-        const llama_layer & L = model.layers[il];
-        if (L.ffn_down_exps == nullptr && L.ffn_gate_up_exps == nullptr) {
-            continue;
-        }
-        ggml_backend_dev_t dev = layer_dev(model, (int) il);
-        if (m.remote.empty()) {
-            m.remote = llama_expert_engine_remote_dev(dev);
-        }
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            m.gpu = true;
-            gpu = gpu ? gpu : dev;
-            dev_bufts[ggml_backend_dev_buffer_type(dev)] = true;
-        }
-        for (const ggml_tensor * t : layer_expert_tensors(L)) {
-            if (t == nullptr) {
-                continue;
-            }
-            m.per_slot += t->nb[expert_dim(t)];
-            m.n_banks++;
-            m.experts  += ggml_nbytes(t);
-            m.max_slice = std::max<uint64_t>(m.max_slice, t->nb[expert_dim(t)]);
-            if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
-                m.experts_host = false;
-            }
-            if (t->buffer && strstr(ggml_backend_buffer_name(t->buffer), "REPACK") != nullptr) {
-                m.repacked = true;
-            }
-            std::string path;
-            uint64_t off = 0;
-            if (!model.hparams.no_alloc && t->data && !llama_expert_mapped_file_of(t->data, path, off)) {
-                m.mapped = false; // (a memory-fitting dry run maps nothing: not known there)
-            }
-        }
-    }
-    uint64_t all = 0;
-    for (const auto & [buft, size] : model.memory_breakdown()) {
-        all += size;
-        if (dev_bufts.count(buft)) {
-            m.dev_weights += size;
-        }
-    }
-    m.weights = all > m.experts ? all - m.experts : 0;
-    if (!m.experts_host) {
-        m.dev_weights = m.dev_weights > m.experts ? m.dev_weights - m.experts : 0;
-    }
-    for (const auto & [buft, size] : ctx_mem) {
-        m.context += size;
-        if (dev_bufts.count(buft)) {
-            m.dev_context += size;
-        }
-    }
-    if (gpu) {
-        size_t free = 0;
-        size_t total = 0;
-        ggml_backend_dev_memory(gpu, &free, &total);
-        m.dev_free = free;
-    }
-    return m;
 }

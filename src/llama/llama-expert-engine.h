@@ -20,7 +20,6 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
-#include "llama-expert-auto.h"
 #include "llama-expert-copier.h"
 #include "llama-expert-io.h"
 #include "llama-expert-pack.h"
@@ -196,20 +195,3 @@ struct llama_expert_engine {
     bool warned_pageable = false;
 };
 
-// Residency by budget (`vram=SIZE`): the slots per layer that fit in `budget` bytes next to the model's weights
-// and the context's memory (ctx_mem) in the buffer types of the MoE layers, plus `reserve` bytes for the
-// compute buffers; at most n_expert. Logs the plan. Throws, naming the minimum budget, when fewer than k fit.
-// ram (`ram=SIZE`, CPU builds with host=file): the budget is the process's RAM: all weights but the routed
-// experts, and all of the context's memory, whatever their buffer types, the reader threads' buffers (`readers`
-// threads with host=file) and the runtime's baseline. engine: a plan (ram=, or vram= on host memory) above what the
-// process may hold (llama-expert-machine.h: memory cgroup, MemAvailable) throws, saying what would fit.
-int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
-        int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram = false,
-        int32_t readers = 0, bool engine = false);
-
-// `--moe-cache auto`: the model's facts for llama_expert_auto_decide (llama-expert-auto.h): its sizes (weights, routed
-// experts, one slot, the banks), the context's memory (ctx_mem), where the experts are (host memory or a GPU, with the
-// GPU's free memory), whether they are mapped from the model file and whether the CPU repacked them.
-llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem);
