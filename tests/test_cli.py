@@ -56,3 +56,25 @@ def test_a_bad_out_is_one_line_before_anything_runs(command: list[str], where: s
     err = capsys.readouterr().err.strip()  # the progress bar of compare and sweep leaves an empty line
     assert err.startswith(f"harness: error: --out {out}") and "\n" not in err, err
     assert "Traceback" not in err
+
+
+def test_progress_in_a_log_is_one_line_per_step() -> None:
+    """Where stderr is not a terminal (a log file) rich draws no bar: the commands write a plain line when a step
+    starts or ends, at the end, and for a counter that moves under one label at most every `every_s` seconds."""
+    import io
+
+    from harness.cli.app import _progress_lines
+
+    out = io.StringIO()
+    progress = _progress_lines("study", out, every_s=3600)
+    progress(0, 3, "full")
+    progress(1, 3, "full (peak 12 MiB)")
+    progress(1, 3, "rule-0.15")
+    for done in range(100):  # bytes under one label: throttled
+        progress(done, 1000, "pack layer 0")
+    progress(1000, 1000, "pack layer 0")
+    lines = out.getvalue().splitlines()
+    assert [line.rsplit(" (", 1)[0] for line in lines] == [
+        "study: 0/3 full", "study: 1/3 full (peak 12 MiB)", "study: 1/3 rule-0.15", "study: 0/1000 pack layer 0",
+        "study: 1000/1000 pack layer 0"]
+    assert all(line.endswith(" s)") for line in lines)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 from rich.console import Console
 
@@ -85,9 +86,13 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _with_progress(name: str, run: Callable[[ProgressFn], T]) -> T:
-    """Run `run(progress)` under a transient progress bar on stderr."""
+    """Run `run(progress)` under a transient progress bar on stderr; where stderr is not a terminal (a log file,
+    a pipe: rich draws no bar there), one plain line each time a step is done, so that a long unattended run's log
+    shows how far it got."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if not err_console.is_terminal:
+        return run(_progress_lines(name))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as bar:
         task = bar.add_task(name, total=None)
@@ -96,6 +101,26 @@ def _with_progress(name: str, run: Callable[[ProgressFn], T]) -> T:
             bar.update(task, completed=done, total=total, description=label)
 
         return run(progress)
+
+
+def _progress_lines(name: str, stream: TextIO | None = None, every_s: float = 30.0) -> ProgressFn:
+    """A progress callback that writes `name: done/total label (elapsed)`, flushed, when a step starts or ends (the
+    label changes), at the end, and otherwise at most every `every_s` seconds (a byte counter moving)."""
+    start = time.monotonic()
+    last_label: str | None = None
+    last_at = start - every_s
+
+    def progress(done: int, total: int, label: str) -> None:
+        nonlocal last_label, last_at
+        now = time.monotonic()
+        if label == last_label and done != total and now - last_at < every_s:
+            return
+        last_label, last_at = label, now
+        out = stream if stream is not None else sys.stderr
+        out.write(f"{name}: {done}/{total} {label} ({now - start:.0f} s)\n")
+        out.flush()
+
+    return progress
 
 
 # ---- compare, sweep, check, report, topics, study ----------------------------------------------------------------
@@ -446,7 +471,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
                         matched=not args.no_matched,
                         calib_text=args.calib_text, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
                         **options.perplexity_settings(args))
-    result = study.study(opts)
+    result = _with_progress("study", lambda progress: study.study(opts, progress))
     console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
 
