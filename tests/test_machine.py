@@ -56,8 +56,8 @@ def test_the_plans_own_terms_are_the_engines() -> None:
     io = (OUR_SRC / "llama" / "llama-expert-io.cpp").read_text()
     m = re.search(r"DIRECT_ALIGN = (\d+);", io)
     assert m and int(m[1]) == READ_ALIGN
-    engine = (OUR_SRC / "llama" / "llama-expert-engine.cpp").read_text()
-    assert "(uint64_t) (readers + 1) * (max_slice + 2*4096)" in engine  # reader_buffer_bytes's formula
+    measure = (OUR_SRC / "llama" / "llama-expert-measure.cpp").read_text()  # the budget's model walk
+    assert "(uint64_t) (readers + 1) * (max_slice + 2*4096)" in measure  # reader_buffer_bytes's formula
 
 
 def test_ram_terms_count_the_process(tmp_path: Path) -> None:
