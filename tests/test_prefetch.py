@@ -365,28 +365,40 @@ def test_file_tier_fetch_never_waits_for_a_prefetch(readers: int, models: dict[s
     delay_s = 0.1
     model = models["qwen3moe"]
     spec = f"mode=engine,policy=fetch-all,slots=25%,host=file,readers={readers},prefetch=on"
-    tmp = tmp_path / "pf"
-    tmp.mkdir()
-    stats_path = tmp / "stats.json"
-    env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"},
-           "LLAMA_MOE_CACHE": f"{spec},stats={stats_path}",
-           "LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US": str(int(delay_s * 1e6))}
-    t0 = time.monotonic()
-    res = subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "16",
-                          "-b", "16", "-ub", "1", "--chunks", "1", "-t", THREADS], env=env, capture_output=True,
-                         text=True, timeout=600)
-    wall_s = time.monotonic() - t0
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    stats = json.loads(stats_path.read_text())
-    check_file_prefetch_counters(stats)
-    t, e = stats["total"], stats["engine"]
-    assert t["prefetches"] > 0 and e["prefetch_waits"] > 0 and t["fetches"] > 0
-    steps = sum(s["token_layers"] for s in stats["layers"])
-    assert e["fetch_wait_ns"] / 1e9 < steps * delay_s / 4, (e["fetch_wait_ns"], steps)
-    assert e["prefetch_wait_ns"] / 1e9 <= e["prefetch_waits"] * delay_s * 1.5
-    completed = e["background_experts"]  # fetch-all admits nothing: the prefetch reads not cancelled
-    assert completed == t["prefetches"] - e["prefetch_cancelled"] and completed > 0
-    assert completed * delay_s <= wall_s, (completed, wall_s)
+    waited = 0  # route steps that met a started prefetch read, over the tries
+    # A prefetch read starts only if a reader thread gets a core before the next layer's route step cancels it:
+    # one compute thread leaves the other core to the readers. On a loaded machine a run may still start none
+    # (seen once in CI with two compute threads: 178 prefetches, all cancelled); the claims below hold for every
+    # run, and a run where no route step met a started read is tried again, up to three runs, one of which must.
+    for attempt in range(3):
+        tmp = tmp_path / f"pf{attempt}"
+        tmp.mkdir()
+        stats_path = tmp / "stats.json"
+        env = {**{k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"},
+               "LLAMA_MOE_CACHE": f"{spec},stats={stats_path}",
+               "LLAMA_MOE_CACHE_TEST_PREFETCH_DELAY_US": str(int(delay_s * 1e6))}
+        t0 = time.monotonic()
+        res = subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c",
+                              "16", "-b", "16", "-ub", "1", "--chunks", "1", "-t", "1"], env=env, capture_output=True,
+                             text=True, timeout=600)
+        wall_s = time.monotonic() - t0
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        stats = json.loads(stats_path.read_text())
+        check_file_prefetch_counters(stats)
+        t, e = stats["total"], stats["engine"]
+        assert t["prefetches"] > 0 and t["fetches"] > 0
+        steps = sum(s["token_layers"] for s in stats["layers"])
+        assert e["fetch_wait_ns"] / 1e9 < steps * delay_s / 4, (e["fetch_wait_ns"], steps)
+        assert e["prefetch_wait_ns"] / 1e9 <= e["prefetch_waits"] * delay_s * 1.5
+        completed = e["background_experts"]  # fetch-all admits nothing: the prefetch reads not cancelled
+        assert completed == t["prefetches"] - e["prefetch_cancelled"]
+        assert completed * delay_s <= wall_s, (completed, wall_s)
+        # a route step that waited for a started read (prefetch_waits) settled a read that was not cancelled
+        assert e["prefetch_waits"] <= completed, e
+        waited += e["prefetch_waits"]
+        if e["prefetch_waits"] > 0:
+            break
+    assert waited > 0, "no route step met a started prefetch read in three runs: the waits above were not tested"
 
 
 @pytest.mark.build

@@ -33,6 +33,7 @@ from harness.domain.tune import (
     bisect_chain,
     chain_rungs,
     check_profile_model,
+    grid_verdict,
     machine_profile,
     parse_tune_profile,
     pick_fastest,
@@ -50,7 +51,7 @@ from harness.parsers.nll_dump import NllDump
 from harness.parsers.sim import SimRun
 from harness.parsers.trace import synthetic_trace, write_expert_trace
 from harness.report.tune import render_tune_markdown, summary_lines
-from harness.stats.intervals import DeltaPPL
+from harness.stats.intervals import DeltaPPL, MeanCI, mean_ci
 from harness.tools.requests import BenchRequest, BenchRun, PerplexityRequest, PerplexityRun, RunOutput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -456,12 +457,42 @@ def test_run_tune_measure_and_errors(tmp_path: Path) -> None:
         _fake_run(tmp_path / "b", max_delta_pct=0.0)
 
 
+def test_run_tune_measure_grid(tmp_path: Path) -> None:
+    """--measure-grid 5: the 5 fastest estimated grid points within the bound are measured beside the choice: none of
+    a rung the check found over the bound (first-choice, tau 0.25 in the fakes), none above a chain's boundary, not
+    the choice again; the report says whether the choice is within 5% of the fastest measured."""
+    res, runner, _ = _fake_run(tmp_path, measure=True, runs=1, measure_grid=5)
+    grid = [r for r in res.rows if r.role == "grid"]
+    chosen = next(r for r in res.rows if r.role == "chosen")
+    assert len(grid) == 5 and chosen.name not in {r.name for r in grid}
+    for r in grid:
+        assert "first-choice" not in r.policy and "tau=0.25" not in r.policy and "tau=0.4" not in r.policy
+        assert r.measured is not None and r.passes
+        assert r.est_ms >= chosen.est_ms * 0.99  # the choice is its rung's best knobs, the fastest rung in the pool
+    assert [r.est_ms for r in grid] == sorted(r.est_ms for r in grid)
+    benches = [c for c in runner.calls if c.startswith("bench:") and c != "bench:compute"]
+    assert len(benches) == 1 + 3 + 5
+    md = "\n".join(summary_lines(res))
+    assert "fastest estimated grid points within the bound" in md and "**held**" in md  # every fake bench is 50 t/s
+
+
+def test_grid_verdict() -> None:
+    def m(x: float) -> MeanCI:
+        return mean_ci([x])
+
+    assert grid_verdict(m(96.0), [m(100.0), m(80.0)]) == "held"
+    assert grid_verdict(m(94.0), [m(100.0)]) == "did not hold"
+    assert grid_verdict(m(120.0), [m(100.0)]) == "held"
+    assert grid_verdict(None, [m(100.0)]) == "not measured" and grid_verdict(m(1.0), [None]) == "not measured"
+
+
 def test_cli_help_names_the_options() -> None:
     from harness.cli.app import build_parser
 
     sub = build_parser()._subparsers._group_actions[0].choices["tune"]  # type: ignore[union-attr]
     text = sub.format_help()
-    for opt in ("--max-delta-ppl", "--text", "--residency", "--measure", "--profile-out", "--host", "--readers"):
+    for opt in ("--max-delta-ppl", "--text", "--residency", "--measure", "--measure-grid", "--profile-out", "--host",
+                "--readers"):
         assert opt in text
 
 

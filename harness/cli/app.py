@@ -314,7 +314,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     opts = TuneOptions(out=options.out_dir(args, f"tune-{name}"), model=model, grid=grid,
                        max_delta_pct=options.percent(args.max_delta_ppl, "--max-delta-ppl"), strict=args.strict,
                        host=args.host,
-                       base_profile=args.base_profile, readers=args.readers, measure=args.measure, runs=args.runs,
+                       base_profile=args.base_profile, readers=args.readers, measure=args.measure,
+                       measure_grid=args.measure_grid, runs=args.runs,
                        n_gen=args.n_gen, profile_out=args.profile_out, seed=args.seed, argv=tuple(sys.argv),
                        **options.perplexity_settings(args))
     result = _with_progress("tune", lambda progress: tune.tune(opts, progress))
@@ -365,6 +366,9 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "as many (default: %(default)s)")
     t.add_argument("--measure", action="store_true", help="also measure decode speed with llama-bench and the "
                    "engine for the choice and the presets (a benchmark: use an idle machine)")
+    t.add_argument("--measure-grid", type=int, default=0, metavar="N", help="--measure: also the N fastest estimated "
+                   "grid points within the bound, to check the choice against the best measured one "
+                   "(default: %(default)s)")
     t.add_argument("--runs", type=int, default=3, help="--measure: repetitions (default: %(default)s)")
     t.add_argument("--n-gen", type=int, default=32, help="--measure: decoded tokens per run (default: %(default)s)")
     t.add_argument("--profile-out", type=Path, help="where to write the profile (default: <model>.moe-tune.json "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class TuneOptions(PerplexitySettings):
     base_profile: str = "cpu-disk"  # the cost model's constants this machine's measurements do not replace
     readers: int = 4  # the engine's reader threads (host=file): the disk is measured with as many
     measure: bool = False  # llama-bench with the engine for the choice and the presets
+    measure_grid: int = 0  # --measure: also the N fastest estimated grid points within the bound (verifies the choice)
     runs: int = 3  # --measure: llama-bench repetitions
     n_gen: int = 32  # --measure: decoded tokens per repetition
     profile_out: Path | None = None  # None: next to the model, else the cache folder (profile_locations)
@@ -291,6 +292,29 @@ def pick_fastest(best: Mapping[Rung, SimPoint], boundaries: Mapping[str, int], g
     raise HarnessError("tune: no candidate left, not even fetch-all (was it simulated?)")
 
 
+def within_bound_points(points: Sequence[SimPoint], fraction: float, boundaries: Mapping[str, int], grid: TuneGrid,
+                        failed: Collection[Rung]) -> list[SimPoint]:
+    """Every grid point at a residency (all its speed knobs, not only each rung's best) whose rung is at or below its
+    chain's boundary and was not found over the bound when checked, fastest estimate first: the pool the choice is
+    the fastest rung of, for --measure-grid to measure the choice against."""
+    rungs: set[Rung] = {FETCH_ALL}
+    for chain, b in boundaries.items():
+        rungs.update(chain_rungs(grid, chain)[: b + 1])
+    pool = [p for p in points if p.candidate.fraction == fraction and p.candidate.rung in rungs
+            and p.candidate.rung not in failed]
+    return sorted(pool, key=lambda p: (p.est_ms, p.candidate.name))
+
+
+def grid_verdict(chosen: MeanCI | None, grid: Sequence[MeanCI | None], within: float = 0.05) -> str:
+    """The issue's goal on measured speed: the choice within `within` of the fastest measured grid point at the bound
+    (the grid points measured: the fastest estimates). 'held', 'did not hold', or why it cannot be said."""
+    speeds = [m.mean for m in grid if m is not None]
+    if chosen is None or not speeds:
+        return "not measured"
+    best = max(speeds + [chosen.mean])
+    return "held" if chosen.mean >= (1 - within) * best else "did not hold"
+
+
 def tuned_policy(profile: TuneProfile | None, planned_slots: int, source: str = "") -> tuple[str, str]:
     """What `--moe-cache auto` does with a (read and model-checked) profile when it planned `planned_slots` per layer
     (docs/expert-cache.md, "Tuned profile", steps 4 and 6): (the policy's spec keys, or "" for quality; the reason for
@@ -400,7 +424,7 @@ class CheckRow:
     """One configuration run in emulate mode (or exact by construction) at a residency: a checked candidate, the
     choice or a preset; with the simulator's estimate and, with --measure, llama-bench's decode speed."""
 
-    role: str  # "checked", "chosen", or a preset name
+    role: str  # "checked", "chosen", a preset name, or "grid" (--measure-grid: measured, not run in emulate)
     name: str
     policy: str  # the policy's spec keys
     fraction: float

@@ -33,7 +33,7 @@ TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", 
                      "threads", "n_boot", "seed", "argv")
 BPB_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
 TUNE_OPTION_KEYS = ("out", "model", "text", "max_delta_pct", "strict", "grid", "host", "base_profile", "readers",
-                    "measure", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
+                    "measure", "measure_grid", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
 
 
 def _json_value(v: Any) -> Any:

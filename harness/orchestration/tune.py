@@ -67,6 +67,7 @@ from harness.domain.tune import (
     tune_cache_dir,
     tune_candidates,
     within_bound,
+    within_bound_points,
 )
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
 from harness.orchestration.serialise import TUNE_OPTION_KEYS, options_json, tune_fingerprint
@@ -316,6 +317,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     rows: list[CheckRow] = []
     choices: list[TuneChoice] = []
     frontier: list[SimPoint] = []
+    pools: dict[float, list[SimPoint]] = {}  # per residency, the grid points within the bound but the choice
     for f, slots in slots_of.items():
         best = best_per_rung(points, f)
         frontier += sorted(best.values(), key=lambda p: (p.candidate.rung.chain, p.candidate.rung.level))
@@ -342,6 +344,9 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
             if len(rungs) > 1:
                 boundaries[chain] = bisect_chain(rungs, passes)
         chosen = pick_fastest(best, boundaries, opts.grid, passes)
+        failed = {rung for rung, row in checked.items() if not row.passes}
+        pools[f] = [p for p in within_bound_points(points, f, boundaries, opts.grid, failed)
+                    if p.candidate.name != chosen.candidate.name]
         for rung, row in checked.items():
             rows.append(replace(row, role="chosen") if rung == chosen.candidate.rung else row)
         if chosen.candidate.rung not in checked:  # fetch-all chosen without a check: exact
@@ -369,7 +374,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     # 5. --measure: decode with the engine, the choice and the presets interleaved
     if opts.measure:
         rows, choices = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
-                                 bench_threads)
+                                 bench_threads, pools)
 
     # 6. the profile
     profile_doc = TuneProfile(identity, opts.max_delta_pct, BOUND_ON[opts.strict], host, facts, asdict(profile),
@@ -389,9 +394,12 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
 
 def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, rows: list[CheckRow],
              choices: list[TuneChoice], points: Sequence[SimPoint],
-             presets: dict[tuple[str, float], SimPoint], threads: int) -> tuple[list[CheckRow], list[TuneChoice]]:
-    """llama-bench tg with the engine, `runs` repetitions interleaved, for the choice and the presets. On a CPU build
-    without repacking: the engine copies experts slot by slot from their plain layout (README)."""
+             presets: dict[tuple[str, float], SimPoint], threads: int,
+             pools: dict[float, list[SimPoint]]) -> tuple[list[CheckRow], list[TuneChoice]]:
+    """llama-bench tg with the engine, `runs` repetitions interleaved, for the choice and the presets, and with
+    --measure-grid N the N fastest estimated grid points within the bound (rows of role "grid": their delta-PPL is
+    their rung's emulate check where one ran). On a CPU build without repacking: the engine copies experts slot by
+    slot from their plain layout (README)."""
     by_name = {p.candidate.name: p.candidate for p in points}
     configs: list[tuple[str, Candidate]] = []
     for r in rows:
@@ -399,6 +407,20 @@ def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, 
             configs.append((r.name, by_name[r.name]))
         elif r.role in TUNE_PRESETS:
             configs.append((r.name, presets[(r.role, r.fraction)].candidate))
+    grid_rows: list[CheckRow] = []
+    for f, pool in pools.items():
+        checked = {by_name[r.name].rung: r for r in rows if r.fraction == f and r.name in by_name
+                   and r.role in ("checked", "chosen", "exact")}
+        taken = {name for name, _ in configs}
+        for p in [p for p in pool if p.candidate.name not in taken][: opts.measure_grid]:
+            c = p.candidate
+            rung_row = checked.get(c.rung)
+            grid_rows.append(CheckRow("grid", c.name, c.policy, f, c.slots, p.est_ms,
+                                      rung_row.delta if rung_row else None, c.rung.exact, True,
+                                      note="" if rung_row or c.rung.exact else
+                                      "its rung lies below the chain's boundary: not run in emulate"))
+            configs.append((c.name, c))
+    rows = rows + grid_rows
     extra = ("--repack", "0") if host == "file" or cpu else ()
     specs = [RunSpec(f"bench:{name}:{rep}", "bench", "patched", name, rep,
                      bench=BenchRequest(model, Placement(), n_prompt=0, n_gen=opts.n_gen, repetitions=1,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.domain.tune import CheckRow, TuneResult, residency_label
+from harness.domain.tune import CheckRow, TuneResult, grid_verdict, residency_label
 
 
 def _delta(r: CheckRow) -> str:
@@ -45,6 +45,16 @@ def summary_lines(res: TuneResult) -> list[str]:
             name = "**tuned**" if r.role == "chosen" else r.role
             lines.append(f"| {name} | `{r.policy}` | {r.est_tps:.1f} | {r.est_tps / fa:.2f}x | {_delta(r)} | "
                          f"{'yes' if r.passes else 'no'} | {_measured(r)} |")
+        grid = [r for r in res.rows if r.fraction == ch.fraction and r.role == "grid"]
+        if grid:
+            chosen = next((r for r in res.rows if r.fraction == ch.fraction and r.role == "chosen"), None)
+            verdict = grid_verdict(chosen.measured if chosen else None, [r.measured for r in grid])
+            lines += ["", f"The choice against the {len(grid)} fastest estimated grid points within the bound "
+                      "(`--measure-grid`; delta-PPL: their rung's emulate check, where one ran), measured the same "
+                      "way:", "",
+                      "| grid point | est. t/s | delta-PPL of its rung | measured t/s |", "|---|---:|---|---:|"]
+            lines += [f"| `{r.policy}` | {r.est_tps:.1f} | {_delta(r)} | {_measured(r)} |" for r in grid]
+            lines += ["", f"The choice within 5% of the fastest measured of these: **{verdict}**."]
         lines += ["", f"Run it: `--moe-cache {ch.spec}`", ""]
     if res.profile_path is not None:
         lines.append(f"Profile: `{res.profile_path}` (`--moe-cache auto` reads it; docs/expert-cache.md, "
