@@ -388,11 +388,16 @@ class FakeTuneEnv(FakeEnv, TuneEnvironment):
         return self.cache
 
 
+# the grid the fakes' expectations were written for (the default's taus before 0.065, 0.08 and zero 0.05 came in)
+OLD_GRID = TuneGrid(taus=(0.05, 0.1, 0.15, 0.25, 0.4), zero_taus=(0.1, 0.2, 0.3))
+
+
 def _fake_run(tmp_path: Path, **kw: Any) -> tuple[Any, TuneFake, TuneSimFake]:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     text = tmp_path / "t.txt"
     text.write_text("text")
+    kw.setdefault("grid", OLD_GRID)
     opts = TuneOptions(out=tmp_path / "out", model=model, text=text, argv=("harness", "tune"), **kw)
     runner, sim = TuneFake(), TuneSimFake()
     info = replace(_info(n_expert=16, k=2), file_bytes=1234)
@@ -410,7 +415,7 @@ def test_run_tune_with_fakes(tmp_path: Path) -> None:
                                                       ["rule=threshold", "tau=0.15"], ["rule=threshold", "tau=0.25"],
                                                       ["rule=zero", "tau=0.3"]]
     assert checks[4:] == ["quality slots=4", "speed slots=4"]  # fetch-all never substitutes: not run
-    assert len(sim.specs) == len(tune_candidates(TuneGrid(), _info(n_expert=16, k=2))) + 3
+    assert len(sim.specs) == len(tune_candidates(OLD_GRID, _info(n_expert=16, k=2))) + 3
     (choice,) = res.choices
     assert choice.policy == "rule=zero,tau=0.3,evict=lru,admit=0.5" and choice.slots == 4
     assert choice.spec == "mode=engine,slots=4,rule=zero,tau=0.3,evict=lru,admit=0.5,host=file"
