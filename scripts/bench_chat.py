@@ -74,6 +74,13 @@ def ci(xs: list[float]) -> str:
 
 
 def main() -> int:
+    try:
+        return run()
+    except HarnessError as e:  # a server that did not start (auto's refusal, a bad spec): its one line, no traceback
+        sys.exit(f"bench_chat: {e}")
+
+
+def run() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--ram", required=True, help="the memory limit both servers run under, e.g. 8G")
