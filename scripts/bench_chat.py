@@ -12,7 +12,9 @@ Per configuration (stock; patched with --spec, default `auto`) and repetition: a
 (ignore_eos: every answer the same length, so that turns compare). Recorded per turn: time to first token (client
 clock), prompt tokens processed and reused from llama-server's prompt cache, prompt t/s and decode t/s from /metrics
 deltas, the expert cache's counters. With --prefill N: one prompt of N tokens of eval/data/heldout.txt per ubatch
-size, its time to first token and prompt t/s (a ubatch reads about the whole model once when it does not fit).
+size (cut to exactly N tokens of the model by the server), its time to first token and prompt t/s (a ubatch reads
+about the whole model once when it does not fit). The chat template adds a few tokens: keep N below the server's
+context per slot (llama-server caps it at the model's training context).
 
 Writes --out/results.jsonl (one record per turn or prefill, with the settings) and --out/report.md (means with
 t-based 95% CIs over the repetitions). Verdict rule, written before any run: the patched configuration "stays fast"
@@ -58,9 +60,10 @@ DEFAULT_TURNS = [
 
 
 def prefill_text(n_tokens: int) -> str:
-    """About n_tokens of held-out text (3.2 bytes a token for the project's models; the server reports the count)."""
+    """Held-out text long enough for n_tokens of any of the project's models (at least a byte a token, 8 to spare);
+    the server cuts it to exactly n_tokens of its model (Server.truncate)."""
     text = (ROOT / "eval/data/heldout.txt").read_text(encoding="utf-8")
-    return text[: int(n_tokens * 3.2)]
+    return text[: n_tokens * 8]
 
 
 def ci(xs: list[float]) -> str:
@@ -136,7 +139,8 @@ def run() -> int:
                     with llama_server(build.tool("llama-server"), a.model, log, spec=spec, ctx=a.ctx,
                                       threads=a.threads, extra=[*extra_nr, "-ub", str(ub), "-b", str(max(ub, 2048))],
                                       preexec=cg.preexec) as s:
-                        t = chat(s, [prefill_text(a.prefill) + "\n\nSummarise the text above."], max_tokens=1)[0]
+                        prompt = s.truncate(prefill_text(a.prefill), a.prefill)
+                        t = chat(s, [prompt + "\n\nSummarise the text above."], max_tokens=1)[0]
                         record({"kind": "prefill", "config": name, "spec": spec, "rep": rep, "ubatch": ub,
                                 "ttft_s": t.ttft_s, "prompt_tokens": t.prompt_tokens, "prompt_tps": t.prompt_tps})
                         print(f"bench_chat: {name} rep {rep} prefill ub {ub}: {t.prompt_tokens} tokens, ttft "

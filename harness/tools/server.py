@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness.core.errors import HarnessError
 from harness.parsers.cache_metrics import PREFIX, CacheMetrics, parse_cache_metrics
@@ -77,6 +78,23 @@ class Server:
 
     def log_tail(self, n: int = 2000) -> str:
         return self.log()[-n:]
+
+    def _post(self, path: str, doc: dict[str, Any], timeout: float = 60) -> Any:
+        req = urllib.request.Request(self.base + path, data=json.dumps(doc).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.URLError as e:
+            raise HarnessError(f"llama-server's {path} did not answer ({e}): {self.log_tail()}") from None
+
+    def truncate(self, text: str, n_tokens: int) -> str:
+        """The text cut to its first n_tokens tokens of the server's model (/tokenize, /detokenize): a prompt of a
+        given length whatever the model's vocabulary."""
+        tokens = self._post("/tokenize", {"content": text})["tokens"]
+        if len(tokens) < n_tokens:
+            raise HarnessError(f"the text has {len(tokens)} tokens of this model, fewer than the {n_tokens} asked for")
+        return str(self._post("/detokenize", {"tokens": tokens[:n_tokens]})["content"])
 
     def complete(self, prompt: str = "one two three", n_predict: int = 16, timeout: float = 180) -> str:
         """One greedy /completion of exactly n_predict tokens (the end-of-sequence token does not end it, the prompt
