@@ -460,6 +460,9 @@ def test_run_tune_measure_and_errors(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     with pytest.raises(HarnessError, match="--max-delta-ppl must be above 0"):
         _fake_run(tmp_path / "b", max_delta_pct=0.0)
+    for kw in ({"measure_grid": 3}, {"measure": True, "measure_grid": -1}):
+        with pytest.raises(HarnessError, match="--measure-grid"):
+            _fake_run(tmp_path / "b", **kw)
 
 
 def test_run_tune_measure_grid(tmp_path: Path) -> None:

@@ -237,6 +237,9 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
         raise HarnessError(f"cannot read the text {text}: no such file")
     if not opts.max_delta_pct > 0:
         raise HarnessError(f"--max-delta-ppl must be above 0%, got {opts.max_delta_pct:g}%")
+    if opts.measure_grid < 0 or (opts.measure_grid and not opts.measure):
+        raise HarnessError(f"--measure-grid {opts.measure_grid}: a count of grid points to measure, 0 or more, "
+                           "with --measure")
     candidates = tune_candidates(opts.grid, info)
     notes: list[str] = []
 
