@@ -115,12 +115,15 @@ def check_ok(r: Run) -> None:
 
 
 def upstream_failure(r: Run) -> str:
-    """Why a run died in upstream ggml itself ('' if it did not): SIGILL in its kernels, or a GGML_ASSERT in its
-    backend scheduler. Both seen on a VM advertising AVX-512 and AMX, in the stock build too: SIGILL in the repack
-    kernels on K-quants, and ggml-backend.cpp's `*cur_backend_id != -1` for q8_0 and deepseek2 models placed in
-    the AMX buffer type."""
+    """Why a stock run died in upstream ggml itself ('' if it did not): SIGILL or SIGSEGV in its kernels, or a
+    GGML_ASSERT in its backend scheduler. All seen on VMs advertising AVX-512 and AMX, in the stock build: SIGILL in
+    the repack kernels on K-quants on one, SIGSEGV there on another (2026-12-02: every run with the K-quant repacked,
+    none with --no-repack), and ggml-backend.cpp's `*cur_backend_id != -1` for q8_0 and deepseek2 models placed in
+    the AMX buffer type. Only for stock runs (skip_if_stock_crashes): a patched run that crashes is a failure."""
     if r.returncode in (-4, 132):
         return "SIGILL in ggml's kernels"
+    if r.returncode in (-11, 139):
+        return "SIGSEGV in ggml's kernels"
     if r.returncode != 0 and "GGML_ASSERT" in r.output and "ggml-backend.cpp" in r.output:
         return "a GGML_ASSERT in ggml-backend.cpp's scheduler"
     return ""
