@@ -79,11 +79,13 @@ class Server:
     def log_tail(self, n: int = 2000) -> str:
         return self.log()[-n:]
 
+    def _request(self, path: str, doc: dict[str, Any]) -> urllib.request.Request:
+        return urllib.request.Request(self.base + path, data=json.dumps(doc).encode(),
+                                      headers={"Content-Type": "application/json"})
+
     def _post(self, path: str, doc: dict[str, Any], timeout: float = 60) -> Any:
-        req = urllib.request.Request(self.base + path, data=json.dumps(doc).encode(),
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with urllib.request.urlopen(self._request(path, doc), timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.URLError as e:
             raise HarnessError(f"llama-server's {path} did not answer ({e}): {self.log_tail()}") from None
@@ -100,10 +102,8 @@ class Server:
         """One greedy /completion of exactly n_predict tokens (the end-of-sequence token does not end it, the prompt
         cache is not used): the answer's content prefixed with "ok: ", or the body of a failed request (a request
         the cache aborted answers "Compute aborted.")."""
-        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": False,
-                           "ignore_eos": True})
-        req = urllib.request.Request(self.base + "/completion", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = self._request("/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                                            "cache_prompt": False, "ignore_eos": True})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return "ok: " + str(json.loads(r.read())["content"])
