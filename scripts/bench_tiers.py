@@ -59,7 +59,7 @@ from harness.parsers.gguf_model import ModelInfo, read_model_info  # noqa: E402
 from harness.stats.intervals import mean_ci, ratio_ci  # noqa: E402
 from harness.tools.cgroup import RAM_MARGIN, MemoryCgroup, check_ram_limit, mem_available  # noqa: E402
 from harness.tools.cgroup import drop_page_cache as drop_cache  # noqa: E402
-from harness.tools.synth import SynthSpec, iter_plan, write_synth_model  # noqa: E402
+from harness.tools.synth import SynthSpec, direct_supported, iter_plan, write_synth_model  # noqa: E402
 from harness.tools.synth_layouts import dtype_of, n_bytes  # noqa: E402
 
 F32 = 0  # GGML_TYPE_F32
@@ -475,7 +475,8 @@ def _study_spec(a: argparse.Namespace, layers: int) -> SynthSpec:
 
 
 def _ensure_model(path: Path, spec: SynthSpec) -> None:
-    """Generate the model by streaming, after checking the disk has room for it (and 2 GiB more)."""
+    """Generate the model by streaming, after checking the disk has room for it (and 2 GiB more). Q4_0 and Q8_0
+    expert blocks are drawn directly (harness.tools.synth, direct=True: minutes for 45 GB, not an hour)."""
     if path.exists():
         return
     need = sum(n_bytes(shape, dtype_of(spec.dtype).ggml if q else F32) for _, shape, q in iter_plan(spec))
@@ -486,7 +487,7 @@ def _ensure_model(path: Path, spec: SynthSpec) -> None:
                  f"{format_bytes(free)} free (2 GiB kept): free space or pass --work elsewhere")
     t0 = time.time()
     print(f"bench_tiers: generating {path} ({format_bytes(need)}, {spec.n_layer} layers; streamed)", file=sys.stderr)
-    write_synth_model(spec, path)
+    write_synth_model(spec, path, direct=direct_supported(dtype_of(spec.dtype).ggml))
     print(f"bench_tiers: generated in {time.time() - t0:.0f} s", file=sys.stderr)
 
 
@@ -608,6 +609,10 @@ def full_scale(argv: list[str]) -> int:
                      f"{model.name}: give the geometry options of --model, or another --work")
     limit, how = _budget(a)
     notes.append(how)
+    if a.model is None and direct_supported(dtype_of(a.dtype).ggml):
+        notes.append("weights: random, generated here (harness.tools.synth, seed 0); the quantized tensors' blocks "
+                     "drawn directly (uniform quants, one scale per tensor giving the normals' std), the router and "
+                     "norms as normals; a model file generated before direct blocks is used as it is")
     reserve = parse_size(a.reserve, allow_percent=False).bytes or 0
     try:
         planned = plan_ram(info, limit, reserve, a.ctx).slots_per_layer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -373,3 +374,57 @@ def test_stock_cli_prompts(stock_build: Build, synth_models: dict[str, Path]) ->
         if "Generation:" in out:
             return
     raise AssertionError(f"llama-cli printed no generation stats:\n{out[-3000:]}")
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q8_0"])
+def test_direct_blocks(tmp_path: Path, dtype: str) -> None:
+    """direct=True (bench_tiers --full-scale's models of tens of GB) draws Q4_0/Q8_0 blocks instead of quantizing
+    normals: the same file layout and sizes, the unquantized tensors (router, norms) byte-identical to the normal
+    path's, the expert tensors other bytes whose dequantized values have the tensor's standard deviation, the same
+    bytes for the same seed."""
+    spec = SynthSpec(arch="qwen3moe", n_layer=2, n_expert=16, n_expert_used=4, n_embd=256, n_ff_exp=64, dtype=dtype,
+                     seed=4)
+    normal = gguf.GGUFReader(write_synth_model(spec, tmp_path / "normal.gguf"))
+    path = write_synth_model(spec, tmp_path / "direct.gguf", direct=True)
+    assert write_synth_model(spec, tmp_path / "again.gguf", direct=True).read_bytes() == path.read_bytes()
+    direct = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in normal.tensors}
+    assert [t.name for t in direct.tensors] == list(by_name)
+    experts = 0
+    for t in direct.tensors:
+        n = by_name[t.name]
+        assert (t.tensor_type, t.data.nbytes, int(t.data_offset)) == (n.tensor_type, n.data.nbytes, int(n.data_offset))
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            assert np.array_equal(t.data, n.data), t.name
+            continue
+        assert not np.array_equal(t.data, n.data), t.name
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        want = 1.0 / math.sqrt(values.shape[-1])
+        assert np.isfinite(values).all() and abs(float(values.std()) / want - 1) < 0.02, (t.name, values.std(), want)
+        experts += "exps" in t.name
+    assert experts == 3 * spec.n_layer
+
+
+def test_direct_blocks_refused_for_other_types(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="direct blocks are drawn for q4_0 and q8_0, not f16"):
+        write_synth_model(SynthSpec(dtype="f16"), tmp_path / "m.gguf", direct=True)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.build
+def test_direct_blocks_run_as_stock_runs_them(tmp_path: Path, stock_build: Build, patched_build: Build) -> None:
+    """The drawn blocks are a model llama.cpp runs: a finite perplexity, the engine's fetch-all the same as stock."""
+    spec = SynthSpec(arch="qwen3moe", n_layer=2, n_expert=16, n_expert_used=4, n_embd=256, n_ff_exp=64,
+                     dtype="q4_0", seed=4)
+    model = write_synth_model(spec, tmp_path / "direct.gguf", direct=True)
+    text = tmp_path / "t.txt"
+    text.write_text(synth_text(4000))
+    finals = []
+    for build, env in ((stock_build, {}), (patched_build, {"LLAMA_MOE_CACHE": "mode=engine,policy=fetch-all,slots=4"})):
+        r = subprocess.run([str(build.bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", "64",
+                            "--chunks", "4", "-t", "2", "--no-repack"], capture_output=True, text=True,
+                           env={**os.environ, **env}, timeout=120)
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stderr)
+        assert r.returncode == 0 and m, r.stderr[-2000:]
+        finals.append(float(m.group(1)))
+    assert math.isfinite(finals[0]) and finals[0] == finals[1]
