@@ -1,4 +1,5 @@
 #include "llama-expert-engine.h"
+#include "llama-expert-mapping.h"
 
 #include "llama-expert-measure.h"
 
@@ -179,6 +180,24 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         }
         LLAMA_LOG_INFO("%s: host=file: missed experts are read from %zu model file(s); %.1f MiB of mapped expert "
             "tensors released from memory\n", __func__, files.size(), released/1024.0/1024.0);
+        // the non-expert weights stay mapped: their faults must not read ahead into the experts
+        // (llama-expert-mapping.h)
+        std::map<const llama_expert_file *, std::pair<uintptr_t, std::vector<std::pair<uint64_t, uint64_t>>>> by_file;
+        for (const auto & L : layers) {
+            for (const auto & b : L.banks) {
+                auto & e = by_file[b.file];
+                e.first = (uintptr_t) b.src->data - b.file_off;
+                e.second.emplace_back(b.file_off, ggml_nbytes(b.src));
+            }
+        }
+        llama_expert_mapping_confined conf;
+        for (auto & [f, e] : by_file) {
+            const auto c = llama_expert_mapping_confine(e.first, f->size, std::move(e.second));
+            conf.bytes += c.bytes; conf.ranges += c.ranges; conf.failed += c.failed;
+        }
+        LLAMA_LOG_INFO("%s: host=file: %.1f MiB of non-expert weights in %d mapped ranges read without readahead "
+            "into the experts (MADV_RANDOM)%s\n", __func__, conf.bytes/1024.0/1024.0, conf.ranges,
+            conf.failed ? "; madvise refused some ranges, left as they were" : "");
     }
 
     // background copies: one copier per device of the banks. host=file: reads from the disk are worth overlapping
