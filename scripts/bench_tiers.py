@@ -570,6 +570,7 @@ def full_scale(argv: list[str]) -> int:
     from contextlib import nullcontext
 
     from harness.domain.tiers import (
+        MMAP_REPLAY_ROW,
         PACK_ROW,
         ExpertSlices,
         depth_scaled_compute_ms,
@@ -687,7 +688,21 @@ def full_scale(argv: list[str]) -> int:
         trace = read_expert_trace(a.replay_trace)
         for r in range(a.rounds):
             replay_traces.append(write_expert_trace(a.work / f"replay-{r}.trace", rotated_trace(trace, r, a.rounds)))
-        configs += [(f"{p} (replay)", "patched", engine_spec(p), None, True) for p in policies]
+        # prefetch=on predicts from the model's own routers: the engine refuses it with a replayed routing
+        replayable = [p for p in policies if "prefetch=on" not in p.split(",")]
+        if len(replayable) < len(policies):
+            notes.append("replay: no replayed row for " + ", ".join(p for p in policies if p not in replayable) +
+                         " (prefetch=on predicts from the model's own routers; the engine refuses it with a replay)")
+        configs += [(f"{p} (replay)", "patched", engine_spec(p), None, True) for p in replayable]
+        # stock's I/O under the trained routing: stock cannot replay, so the patched build in emulate mode with
+        # fetch-all (stock's compute path on the mapped experts, every routed expert computed) with the replay, at
+        # the better stock readahead (the tuned one where it may be set)
+        low = a.readahead_low if len(stock_configs) > 1 else None
+        configs.append((MMAP_REPLAY_ROW, "patched", "mode=emulate,policy=fetch-all", low, True))
+        notes.append(f"replay: '{MMAP_REPLAY_ROW}' is the patched build in emulate mode with fetch-all (stock's "
+                     "compute path, the experts read through the mapping as stock reads them, the routing replayed) at "
+                     f"read_ahead_kb {low if low is not None else (ra.original if ra else '?')}: stock's I/O under "
+                     "the trained routing, which stock itself cannot replay; its sequences are --stock-sequences")
 
     # sequences: one distinct slice of the text per round, holding that round's chunks
     # + the tail chunks, never measured: llama.cpp's log worker can lose the last lines at exit (upstream issue
@@ -774,7 +789,7 @@ def full_scale(argv: list[str]) -> int:
                       f"({'O_DIRECT' if probe.direct else 'buffered'}, {a.readers} readers, expert-slice reads)",
                       file=sys.stderr)
                 for name, build, sp, kb, replay in (configs if r % 2 == 0 else list(reversed(configs))):
-                    n = a.stock_sequences if build == "stock" else a.sequences
+                    n = a.stock_sequences if build == "stock" or name == MMAP_REPLAY_ROW else a.sequences
                     env = {k: v for k, v in os.environ.items()
                            if k not in ("LLAMA_MOE_CACHE", "LLAMA_MOE_CACHE_TEST_REPLAY")}
                     stats = a.work / "stats.json"
@@ -796,8 +811,9 @@ def full_scale(argv: list[str]) -> int:
                         err = "the engine did not say it replays the trace (LLAMA_MOE_CACHE_TEST_REPLAY ignored?)"
                         ts, reads = [], []
                     doc = json.loads(stats.read_text()) if sp and stats.exists() else None
-                    if doc is not None and err is None and name.endswith(PACK_ROW) != bool(doc["engine"].get("pack")):
-                        err = f"the engine's pack is {doc['engine'].get('pack')!r} in the row {name}"
+                    pack_used = (doc or {}).get("engine", {}).get("pack")
+                    if doc is not None and err is None and name.endswith(PACK_ROW) != bool(pack_used):
+                        err = f"the engine's pack is {pack_used!r} in the row {name}"
                         ts, reads = [], []
                     all_reads = (run.end_read_bytes - run.start_read_bytes
                                  if run.end_read_bytes is not None and run.start_read_bytes is not None else None)

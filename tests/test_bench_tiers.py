@@ -18,6 +18,7 @@ import pytest
 
 from harness.core.errors import HarnessError
 from harness.domain.tiers import (
+    MMAP_REPLAY_ROW,
     PACK_TARGET,
     RUN_SCHEMA,
     ExpertSlices,
@@ -359,7 +360,7 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
             "--sequences", "2", "--tail-chunks", "2", "--rounds", "2", "--threads", "1", "--probe-reads", "50",
             "--sysfs", str(sysfs),
             "--quality-model", str(qm), "--quality-ctx", "64", "--quality-chunks", "2", "--replay-trace", str(trace),
-            "--out", str(out), "--work", str(work)]
+            "--policies", "fetch-all;quality;speed;quality,prefetch=on", "--out", str(out), "--work", str(work)]
     res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -368,13 +369,20 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
         check_run_record(r)
     decode = [r for r in records if r["kind"] == "decode"]
     configs = {r["config"] for r in decode}
-    policies = {"fetch-all", "quality", "speed"}
-    assert policies | {f"{p} (replay)" for p in policies} <= configs
+    policies = {"fetch-all", "quality", "speed", "quality,prefetch=on"}
+    replayed = policies - {"quality,prefetch=on"}  # the engine refuses prefetch=on with a replayed routing
+    assert policies | {f"{p} (replay)" for p in replayed} | {MMAP_REPLAY_ROW} <= configs
+    assert "quality,prefetch=on (replay)" not in configs
     for r in decode:
-        assert r["error"] is None and len(r["chunk_ts"]) == (1 if r["spec"] is None else 2), r
+        one = r["spec"] is None or r["config"] == MMAP_REPLAY_ROW  # --stock-sequences
+        assert r["error"] is None and len(r["chunk_ts"]) == (1 if one else 2), r
     assert {r["round"] for r in decode} == {0, 1}
-    assert all(r["engine"]["tokens"] > 0 and r["engine"]["slots"] == 8 for r in decode if r["spec"])
+    engine_rows = [r for r in decode if r["spec"] and r["config"] != MMAP_REPLAY_ROW]
+    assert all(r["engine"]["tokens"] > 0 and r["engine"]["slots"] == 8 for r in engine_rows)
     assert all(r["replay"] == "q.trace" for r in decode if r["config"].endswith("(replay)"))
+    # stock's I/O under the replayed routing: emulate with fetch-all, at the tuned readahead where it may be set
+    mmap_rows = [r for r in decode if r["config"] == MMAP_REPLAY_ROW]
+    assert len(mmap_rows) == 2 and all(r["spec"] == "mode=emulate,policy=fetch-all" for r in mmap_rows)
     assert len({r["disk"]["seconds"] for r in decode}) == 2  # one probe per round
     summary = json.loads((out / "summary.json").read_text())
     assert summary["slots"] == 8 and summary["fraction"] == 0.5 and summary["compute_ms_per_token"] > 0
@@ -391,6 +399,7 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
     if ra_file is not None:
         assert ra_file.read_text().strip() == "4096"  # restored
         assert {r["readahead_kb"] for r in decode if r["spec"] is None} == {4096, 128}
+        assert {r["readahead_kb"] for r in mmap_rows} == {128}
         assert summary["readahead"]["restored_kb"] == 4096
 
 

@@ -313,6 +313,10 @@ def better_stock(rows: Sequence[TierRow], stock_configs: Sequence[str]) -> str |
 # ------------------------------------------------------------------------------------------------------------------
 # one read per expert (--pack)
 
+# --replay-trace: stock's I/O path under the replayed routing (stock cannot replay): the patched build in emulate mode
+# with fetch-all, every routed expert computed from the mapping as stock computes it
+MMAP_REPLAY_ROW = "mmap, emulate fetch-all (replay)"
+
 PACK_ROW = " (pack)"  # the expert pack's row of a policy: "<policy> (pack)", beside "<policy>" (three reads)
 # The target (issue 23): one read per expert at least 1.2x the t/s of three reads at the same policy and residency,
 # where the disk is latency-bound; else the measured reason it is not.
