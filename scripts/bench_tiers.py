@@ -428,7 +428,7 @@ def _full_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dtype", default="q4_0")
-    ap.add_argument("--compute-layers", default="2,4",
+    ap.add_argument("--compute-layers", default="4,8",
                     help="depths of the shallower models whose compute in RAM is extrapolated to --layers")
     ap.add_argument("--ram", help="the RAM budget (default 8G, less where MemAvailable less 2 GiB is smaller)")
     ap.add_argument("--reserve", default="256M", help="the engine's vram_reserve in the ram= formula")
@@ -448,6 +448,8 @@ def _full_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--probe-reads", type=int, default=400, help="reads per disk probe")
     ap.add_argument("--readahead-low", type=int, default=128, help="the tuned stock row's read_ahead_kb")
     ap.add_argument("--no-readahead", action="store_true", help="never change read_ahead_kb (one stock row)")
+    ap.add_argument("--no-stock", action="store_true",
+                    help="no stock rows (for the pack's and prefetch's comparisons, which need none)")
     ap.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)  # tests: a fake tree
     ap.add_argument("--text", type=Path, default=ROOT / "eval" / "data" / "heldout.txt")
     ap.add_argument("--seed", type=int, default=0)
@@ -648,6 +650,9 @@ def full_scale(argv: list[str]) -> int:
         notes.append(f"readahead: the device's read_ahead_kb is already {a.readahead_low}: one stock row")
     if a.no_readahead:
         notes.append("readahead: --no-readahead: read_ahead_kb left as it is (one stock row)")
+    if a.no_stock:
+        configs, stock_configs = [], []
+        notes.append("--no-stock: no stock rows (the pack's and prefetch's verdicts compare engine rows only)")
 
     # --pack: the expert pack next to the model (written when missing or stale), its rows beside the three-read rows
     pack_path: Path | None = None
@@ -693,7 +698,11 @@ def full_scale(argv: list[str]) -> int:
         if len(replayable) < len(policies):
             notes.append("replay: no replayed row for " + ", ".join(p for p in policies if p not in replayable) +
                          " (prefetch=on predicts from the model's own routers; the engine refuses it with a replay)")
-        configs += [(f"{p} (replay)", "patched", engine_spec(p), None, True) for p in replayable]
+        for p in replayable:
+            configs.append((f"{p} (replay)", "patched", engine_spec(p), None, True))
+            if pack_path is not None:  # one read per expert under the trained routing, where misses are many
+                configs.append((f"{p} (replay){PACK_ROW}", "patched", engine_spec(p, pack_path), None, True))
+    if replay_traces and not a.no_stock:
         # stock's I/O under the trained routing: stock cannot replay, so the patched build in emulate mode with
         # fetch-all (stock's compute path on the mapped experts, every routed expert computed) with the replay, at
         # the better stock readahead (the tuned one where it may be set)
@@ -858,7 +867,7 @@ def full_scale(argv: list[str]) -> int:
         summary["pack"] = {"path": pack_path.name, "pack_bytes": pack_layout.pack_size,
                            "record_bytes": [la.record_bytes for la in pack_layout.layers][:1],
                            "disk_bytes_per_s_median": statistics.median(pbws) if pbws else None,
-                           "configs": [p + PACK_ROW for p in policies]}
+                           "configs": [c[0] for c in configs if c[0].endswith(PACK_ROW)]}
     table, summary["headline_stock"] = full_scale_table(records, summary)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (a.out / "table.md").write_text(table)
@@ -870,6 +879,7 @@ def full_scale(argv: list[str]) -> int:
 def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[str, str | None]:
     """The table of a full-scale run from its raw records and summary.json alone (and the headline's stock)."""
     from harness.domain.tiers import (
+        MMAP_REPLAY_ROW,
         PACK_ROW,
         better_stock,
         check_run_record,
@@ -885,18 +895,20 @@ def full_scale_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> 
     for r in records:
         check_run_record(r)
     stock_configs = list(summary["stock_configs"])
+    # the replayed rows are compared with stock's I/O path under the same replayed routing
+    refs = stock_configs + ([MMAP_REPLAY_ROW] if any(r.get("config") == MMAP_REPLAY_ROW for r in records) else [])
     bw = summary.get("disk_bytes_per_s_median")
     pack = summary.get("pack") or {}
     pack_bw = pack.get("disk_bytes_per_s_median")
     by_config = {c: float(pack_bw) for c in pack.get("configs", [])} if pack_bw else {}
-    rows = summarize_runs(records, float(bw), float(summary["compute_ms_per_token"]), stock_configs,
+    rows = summarize_runs(records, float(bw), float(summary["compute_ms_per_token"]), refs,
                           by_config) if bw else []
     best = better_stock(rows, stock_configs)
     quality = summary.get("quality") or {}
     deltas = {p: (DeltaPPL(q["delta_pct"], q["low"], q["high"], 0.0, 0.0, q["n_tokens"] or 0, 0, 0, 0)
                   if q["delta_pct"] is not None else None) for p, q in quality.get("rows", {}).items()}
     label = (f"{quality['model']}, emulate, {quality['slots']}/{quality['n_expert']} slots" if quality else "not run")
-    table = render_tiers_table(rows, stock_configs, best, deltas, label)
+    table = render_tiers_table(rows, refs, best, deltas, label)
     samples: dict[str, list[float]] = {}
     configs: list[str] = []
     for r in records:

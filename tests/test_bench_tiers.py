@@ -187,6 +187,24 @@ def test_summary_from_records() -> None:
     assert better_stock(list(rows.values()), ["stock A", "stock B"]) == "stock B"
 
 
+def test_replayed_rows_are_compared_with_the_replayed_stock_path_only() -> None:
+    """A replayed row's ratio is against MMAP_REPLAY_ROW (stock's I/O path under the same routing), a row of the
+    model's own routing against the stock rows, never across; the emulate row's counters are its emulated cache's,
+    not reads: its floors use the process's bytes, and it has no hit rate."""
+    mmap = {**_rec(MMAP_REPLAY_ROW, [1.0, 1.0], engine={"tokens": 64, "hit_rate": 0.6, "substitution_rate": 0.0}),
+            "spec": "mode=emulate,policy=fetch-all"}
+    recs = [_rec("stock A", [5.0, 5.0]), mmap,
+            _rec("fetch-all", [6.0], engine={"tokens": 32, "file_read_bytes": 32_000_000}),
+            _rec("fetch-all (replay)", [2.0, 2.0], engine={"tokens": 64, "file_read_bytes": 640_000_000})]
+    rows = {r.config: r for r in summarize_runs(recs, 500e6, 40.0, ["stock A", MMAP_REPLAY_ROW])}
+    assert set(rows["fetch-all"].vs_stock) == {"stock A"}
+    assert set(rows["fetch-all (replay)"].vs_stock) == {MMAP_REPLAY_ROW}
+    assert rows["fetch-all (replay)"].vs_stock[MMAP_REPLAY_ROW][0] == pytest.approx(2.0)
+    m = rows[MMAP_REPLAY_ROW]
+    assert m.vs_stock == {} and m.hit_rate is None and m.engine_bytes_per_token is None
+    assert m.floors is not None and m.floors.io_ms == pytest.approx(2.0)  # 1 MB per token at 500 MB/s
+
+
 def test_pack_rows_use_their_own_disk_bandwidth() -> None:
     recs = [_rec("fetch-all", [10.0], engine={"tokens": 100, "file_read_bytes": 2_500_000_000}),
             _rec("fetch-all (pack)", [12.0], engine={"tokens": 100, "file_read_bytes": 2_500_000_000})]
@@ -406,9 +424,11 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
 @pytest.mark.build
 def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, tmp_path: Path) -> None:
     """--full-scale --pack on a tiny model (not a measurement): the pack is written next to the model, each policy
-    has its three-read row (pack=off) and its pack row (pack=PATH), the pack rows read one record per expert, the
-    disk probe has the pack's pattern, and the table carries the verdict rule's rows."""
+    has its three-read row (pack=off) and its pack row (pack=PATH), under its own and a replayed routing, the pack
+    rows read one record per expert, the disk probe has the pack's pattern, and the table carries the verdict rule's
+    rows; --no-stock: no stock row and no stock-path replay row."""
     from harness.tools.cgroup import CgroupError, MemoryCgroup
+    from harness.tools.synth import SynthSpec, write_synth_model
 
     try:
         MemoryCgroup(64 << 20, "moe-subst-probe").close()
@@ -416,11 +436,18 @@ def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, t
         pytest.skip(f"no writable memory cgroup here: {e}")
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
+    qm = write_synth_model(SynthSpec(n_layer=2, n_expert=16, n_expert_used=4, n_embd=64, n_ff_exp=64, seed=2),
+                           tmp_path / "q.gguf")
+    trace = tmp_path / "q.trace"
+    subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(qm), "-f",
+                    str(ROOT / "eval" / "data" / "heldout.txt"), "-c", "64", "--chunks", "4", "-t", "1"],
+                   env={**os.environ, "LLAMA_MOE_CACHE": f"mode=emulate,policy=fetch-all,trace={trace}"},
+                   capture_output=True, check=True, timeout=120)
     args = [sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--full-scale", "--pack", "--layers", "2",
             "--experts", "16", "--top-k", "4", "--embd", "64", "--ff", "64", "--heads", "4", "--kv-heads", "1",
             "--compute-layers", "1", "--ram", "400M", "--reserve", "16M", "--slots", "50%", "--ctx", "256",
             "--sequences", "2", "--tail-chunks", "2", "--rounds", "2", "--threads", "1", "--probe-reads", "30",
-            "--no-readahead", "--policies", "fetch-all;quality", "--quality-model", "none",
+            "--no-stock", "--policies", "fetch-all;quality", "--quality-model", "none", "--replay-trace", str(trace),
             "--out", str(out), "--work", str(work)]
     res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -428,7 +455,11 @@ def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, t
     assert list(work.glob("*.moe-pack"))
     decode = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     decode = [r for r in decode if r["kind"] == "decode"]
-    assert {r["config"] for r in decode if r["spec"]} == {"fetch-all", "fetch-all (pack)", "quality", "quality (pack)"}
+    # --no-stock: the engine's rows only
+    own = {"fetch-all", "fetch-all (pack)", "quality", "quality (pack)"}
+    replayed = {"fetch-all (replay)", "fetch-all (replay) (pack)", "quality (replay)", "quality (replay) (pack)"}
+    assert {r["config"] for r in decode} == own | replayed
+    assert all(r["replay"] == "q.trace" for r in decode if r["config"] in replayed)
     for r in decode:
         assert r["error"] is None, r
         if r["spec"] is None:
@@ -441,7 +472,8 @@ def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, t
         else:
             assert "pack=off" in r["spec"] and e["pack"] == "" and e["pack_reads"] == 0 and e["file_reads"] > 0, e
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["pack"]["configs"] == ["fetch-all (pack)", "quality (pack)"]
+    assert summary["pack"]["configs"] == ["fetch-all (pack)", "quality (pack)", "fetch-all (replay) (pack)",
+                                          "quality (replay) (pack)"]
     table = (out / "table.md").read_text()
     assert "One read per expert" in table and "| fetch-all |" in table and "| quality (pack) |" in table
     assert sum(1 for line in table.splitlines() if "met" in line and line.startswith("| ")) >= 2

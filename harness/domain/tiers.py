@@ -262,13 +262,18 @@ class TierRow:
 def summarize_runs(records: Sequence[Mapping[str, Any]], disk_bytes_per_s: float, compute_ms: float,
                    stock_configs: Sequence[str], disk_by_config: Mapping[str, float] | None = None) -> list[TierRow]:
     """One row per decode config, in the order first seen, from its run records only. disk_by_config: the disk
-    bandwidth of configs that read in another pattern (the expert pack's rows: whole-expert records)."""
+    bandwidth of configs that read in another pattern (the expert pack's rows: whole-expert records).
+    stock_configs: the rows every other row is compared with (ratio of mean t/s), each only with rows of its own
+    routing: the stock rows with the model's own, MMAP_REPLAY_ROW with the replayed rows."""
     by: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         if r.get("kind") == "decode":
             by.setdefault(str(r["config"]), []).append(r)
     samples = {c: [float(x) for r in rs for x in r["chunk_ts"]] for c, rs in by.items()}
     rows: list[TierRow] = []
+
+    def replayed(config: str) -> bool:
+        return " (replay)" in config
     for c, rs in by.items():
         xs = samples[c]
         errors = [str(r["error"]) for r in rs if r.get("error")]
@@ -278,13 +283,15 @@ def summarize_runs(records: Sequence[Mapping[str, Any]], disk_bytes_per_s: float
             continue
         ci = mean_ci(xs)
         vs: dict[str, tuple[float, float, float]] = {}
-        for s in stock_configs:
-            if samples.get(s) and s != c:
+        for s in stock_configs:  # a ratio only between rows of the same routing (the model's own, or replayed)
+            if samples.get(s) and s != c and replayed(s) == replayed(c):
                 rc = ratio_ci(xs, samples[s])
                 vs[s] = (rc.ratio, rc.low, rc.high)
         tokens = sum(len(r["chunk_ts"]) * int(r["n_ctx"]) for r in rs)
         pbytes = sum(sum(int(b) for b in r["chunk_read_bytes"]) for r in rs)
-        engines = [r["engine"] for r in rs if r.get("engine")]
+        # an emulate row's counters are its emulated cache's, not reads: its I/O is the process's
+        engines = [r["engine"] for r in rs
+                   if r.get("engine") and not str(r.get("spec") or "").startswith("mode=emulate")]
         eb: float | None = None
         hit = sub = None
         if engines:

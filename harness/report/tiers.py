@@ -35,7 +35,7 @@ def render_tiers_table(rows: Sequence[TierRow], stock_configs: Sequence[str], be
         if r.n == 0:
             lines.append(f"| {r.config} | {r.error or 'no samples'} |" + " |" * (len(head) - 2))
             continue
-        policy = r.config.removesuffix(" (replay)").removesuffix(PACK_ROW)
+        policy = r.config.removesuffix(PACK_ROW).removesuffix(" (replay)")
         d = quality.get(policy)
         q = ("-" if policy not in quality else "not measured" if d is None
              else f"{d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}]")
