@@ -59,6 +59,17 @@ def llama_server(build: Build, model: Path, spec: str, log_path: Path, extra: Se
 CHANGED = "changed after loading"
 
 
+def _log_with(server: Server, text: str, timeout: float = 10.0) -> str:
+    """The server's log once `text` is in it (llama.cpp's log worker writes a line after the response that it caused
+    can reach the client), or as it is after `timeout` seconds: the assertions on it say what is missing."""
+    deadline = time.time() + timeout
+    out = server.log()
+    while text not in out and time.time() < deadline and server.proc.poll() is None:
+        time.sleep(0.1)
+        out = server.log()
+    return out
+
+
 def test_host_file_truncated_after_load(model_dir: Path, tmp_path: Path, patched_build: Build) -> None:
     """host=file, the model file truncated while the server runs: the next ubatch notices its size, one line names the
     file and the sizes, and the cache ends the compute (llama_decode returns 2): the request fails with "Compute
@@ -71,7 +82,7 @@ def test_host_file_truncated_after_load(model_dir: Path, tmp_path: Path, patched
         os.truncate(model, size // 3)
         first, second = server.complete(), server.complete()
         assert server.proc.poll() is None  # the server still runs
-        out = server.log()
+        out = _log_with(server, CHANGED)
     assert "Compute aborted." in first and "Compute aborted." in second, (first, second)
     lines = [line for line in out.splitlines() if CHANGED in line]
     assert len(lines) == 1 and str(model) in lines[0], out[-3000:]
@@ -96,7 +107,7 @@ def test_host_file_rewritten_in_place(model_dir: Path, tmp_path: Path, patched_b
         assert model.stat().st_ino == ino and model.read_bytes() == data
         first, second = server.complete(), server.complete()
         assert server.proc.poll() is None
-        out = server.log()
+        out = _log_with(server, CHANGED)
     assert before[0].startswith("ok: ") and before[0] == before[1], before
     assert "Compute aborted." in first and "Compute aborted." in second, (first, second)
     lines = [line for line in out.splitlines() if CHANGED in line]
@@ -120,7 +131,7 @@ def test_host_file_renamed_over(model_dir: Path, tmp_path: Path, patched_build: 
         assert model.stat().st_ino != ino
         after = [server.complete(), server.complete()]
         assert server.proc.poll() is None
-        out = server.log()
+        out = _log_with(server, "now names another file")
     assert before.startswith("ok: ") and after == [before, before], (before, after)
     assert CHANGED not in out and "Compute aborted." not in out, out[-3000:]
     warned = [line for line in out.splitlines() if "now names another file" in line]
