@@ -347,20 +347,11 @@ def test_readahead_refuses_a_file_without_a_block_device(tmp_path: Path) -> None
 # end to end, on a tiny generated model
 
 
-@pytest.mark.build
-def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_path: Path) -> None:
-    """The whole --full-scale flow in seconds: a tiny generated model in the study's layout (2 layers, 16 experts,
-    top-4, Q4_0), two compute depths, two rounds, both stock rows (a fake read_ahead_kb), three policies and their
-    replay under a recorded trace, quality on a tiny f32 model; every record checked, the readahead restored."""
-    from harness.tools.cgroup import CgroupError, MemoryCgroup
+def _tiny_trained_stand_in(patched_build: Any, tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny model standing in for the trained one (2 layers, 16 experts, top-4) and a router trace recorded on it
+    (q.gguf, q.trace in tmp_path), for the end-to-end runs' quality rows and replayed rows."""
     from harness.tools.synth import SynthSpec, write_synth_model
 
-    try:
-        MemoryCgroup(64 << 20, "moe-subst-probe").close()
-    except CgroupError as e:
-        pytest.skip(f"no writable memory cgroup here: {e}")
-    work, out = tmp_path / "work", tmp_path / "out"
-    work.mkdir()
     qm = write_synth_model(SynthSpec(n_layer=2, n_expert=16, n_expert_used=4, n_embd=64, n_ff_exp=64, seed=2),
                            tmp_path / "q.gguf")
     trace = tmp_path / "q.trace"
@@ -368,6 +359,24 @@ def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_pa
                     str(ROOT / "eval" / "data" / "heldout.txt"), "-c", "64", "--chunks", "4", "-t", "1"],
                    env={**os.environ, "LLAMA_MOE_CACHE": f"mode=emulate,policy=fetch-all,trace={trace}"},
                    capture_output=True, check=True, timeout=120)
+    return qm, trace
+
+
+@pytest.mark.build
+def test_full_scale_mode_end_to_end(stock_build: Any, patched_build: Any, tmp_path: Path) -> None:
+    """The whole --full-scale flow in seconds: a tiny generated model in the study's layout (2 layers, 16 experts,
+    top-4, Q4_0), two compute depths, two rounds, both stock rows (a fake read_ahead_kb), four policies (one with
+    prefetch=on, which has no replayed row), the others' replay under a recorded trace and stock's path replayed,
+    quality on a tiny f32 model; every record checked, the readahead restored."""
+    from harness.tools.cgroup import CgroupError, MemoryCgroup
+
+    try:
+        MemoryCgroup(64 << 20, "moe-subst-probe").close()
+    except CgroupError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    qm, trace = _tiny_trained_stand_in(patched_build, tmp_path)
     sysfs = tmp_path / "sys"
     ra_file = None
     if os.major(os.stat(work).st_dev) != 0:
@@ -428,7 +437,6 @@ def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, t
     rows read one record per expert, the disk probe has the pack's pattern, and the table carries the verdict rule's
     rows; --no-stock: no stock row and no stock-path replay row."""
     from harness.tools.cgroup import CgroupError, MemoryCgroup
-    from harness.tools.synth import SynthSpec, write_synth_model
 
     try:
         MemoryCgroup(64 << 20, "moe-subst-probe").close()
@@ -436,13 +444,7 @@ def test_full_scale_pack_rows_end_to_end(stock_build: Any, patched_build: Any, t
         pytest.skip(f"no writable memory cgroup here: {e}")
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
-    qm = write_synth_model(SynthSpec(n_layer=2, n_expert=16, n_expert_used=4, n_embd=64, n_ff_exp=64, seed=2),
-                           tmp_path / "q.gguf")
-    trace = tmp_path / "q.trace"
-    subprocess.run([str(patched_build.tool("llama-perplexity")), "-m", str(qm), "-f",
-                    str(ROOT / "eval" / "data" / "heldout.txt"), "-c", "64", "--chunks", "4", "-t", "1"],
-                   env={**os.environ, "LLAMA_MOE_CACHE": f"mode=emulate,policy=fetch-all,trace={trace}"},
-                   capture_output=True, check=True, timeout=120)
+    qm, trace = _tiny_trained_stand_in(patched_build, tmp_path)
     args = [sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--full-scale", "--pack", "--layers", "2",
             "--experts", "16", "--top-k", "4", "--embd", "64", "--ff", "64", "--heads", "4", "--kv-heads", "1",
             "--compute-layers", "1", "--ram", "400M", "--reserve", "16M", "--slots", "50%", "--ctx", "256",
