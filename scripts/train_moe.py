@@ -4,7 +4,8 @@
 Stages (``--stage``, default ``all``):
   tokenizer  train a byte-level BPE on the training corpus (build/tinymoe/train.jsonl, made by
              scripts/build_corpus.py) and encode the corpus to a token stream
-  train      train the model (PyTorch, CPU, bf16 autocast with fp32 master weights)
+  train      train the model (PyTorch, CPU, fp32 master weights; bf16 autocast where the CPU has native bf16,
+             fp32 elsewhere: on an AVX2-only CPU bf16 is emulated and a studymoe step took 55 s instead of 6)
   export     write the F16 GGUF that stock llama.cpp loads as architecture ``qwen3moe``
   eval       PyTorch perplexity on eval/data/heldout.txt computed the way llama-perplexity does it,
              unigram perplexity, and routing statistics; written to <out>.eval.json
@@ -94,6 +95,23 @@ class Config:
     threads: int = 2
     eval_every: int = 50
     name: str = "tinymoe"
+    # a run that starts from an exported model (--init-gguf): the GGUF and the step it had reached; the warmup
+    # and the --time-budget decay count from that step, with a fresh optimiser
+    init_from: str = ""
+    init_step: int = 0
+    # "bf16": autocast (fp32 master weights); "fp32": no autocast. main() sets it from --precision (auto: bf16 where
+    # oneDNN has native bf16 kernels, i.e. AVX-512 BF16 or AMX; fp32 elsewhere)
+    precision: str = "bf16"
+    # DITTO (Xu et al., NeurIPS 2022, "Learning to Break the Loop", implemented from its description): this share of
+    # each batch's sequences are pseudo-repetitions, a span of the training stream of ditto_min..ditto_max tokens
+    # repeated to fill the window; on every repetition after the first, the probability of each token is pushed to
+    # ditto_lambda times the (stop-gradient) probability of the same token one repetition earlier, by the loss
+    # -log(1 - |p_n - lambda * p_(n-1)|), instead of growing with each repetition. The rest of the batch is the
+    # ordinary next-token loss. 0: plain language-model training.
+    ditto_frac: float = 0.0
+    ditto_lambda: float = 0.5
+    ditto_min: int = 1
+    ditto_max: int = 32
 
 
 SHAPES = {
@@ -107,8 +125,21 @@ SHAPES = {
 
 # --- tokenizer ----------------------------------------------------------------------------------
 
-def train_tokenizer(cfg: Config, work: Path) -> None:
+def train_tokenizer(cfg: Config, work: Path, reuse: Path | None = None) -> None:
+    """Train the BPE on <work>/train.jsonl and encode the corpus to <work>/train_tokens.npy; with ``reuse`` (a
+    tokenizer.json, e.g. a committed model's models/<name>-tokenizer.json) encode with that one instead, so that a
+    run going on from that model (--init-gguf) reads the same token ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if reuse is not None:
+        tok = Tokenizer.from_file(str(reuse))
+        if tok.get_vocab_size() != cfg.vocab_size or tok.token_to_id(EOT) is None:
+            raise SystemExit(f"train_moe.py: error: --tokenizer {reuse}: not a {cfg.vocab_size}-token tokenizer "
+                             f"with {EOT}")
+        work.mkdir(parents=True, exist_ok=True)
+        tok.save(str(work / "tokenizer.json"))
+        encode_corpus(tok, work)
+        return
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -128,6 +159,15 @@ def train_tokenizer(cfg: Config, work: Path) -> None:
     tok.train_from_iterator(texts(), trainer=trainer)
     assert tok.get_vocab_size() == cfg.vocab_size, tok.get_vocab_size()
     tok.save(str(work / "tokenizer.json"))
+    encode_corpus(tok, work)
+
+
+def encode_corpus(tok, work: Path) -> None:
+    """<work>/train.jsonl to the training stream <work>/train_tokens.npy (documents separated by EOT)."""
+    def texts():
+        with open(work / "train.jsonl", encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["text"]
 
     eot = tok.token_to_id(EOT)
     ids: list[np.ndarray] = []
@@ -298,9 +338,9 @@ def heldout_tokens(work: Path) -> np.ndarray:
 
 
 def lr_schedule(cfg: Config, step: int) -> float:
-    """Warmup, constant, then linear decay to min_lr_frac * lr from decay_start to steps."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+    """Warmup (from init_step), constant, then linear decay to min_lr_frac * lr from decay_start to steps."""
+    if step - cfg.init_step < cfg.warmup:
+        return cfg.lr * (step - cfg.init_step + 1) / cfg.warmup
     if cfg.decay_start <= 0 or step < cfg.decay_start:
         return cfg.lr
     t = (step - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start)
@@ -316,14 +356,45 @@ def save_atomic(obj, path: Path) -> None:
     tmp.replace(path)
 
 
+def ditto_loss(logits, y, periods: list[int], lam: float):
+    """DITTO's sentence-level repetition penalty (Config.ditto_frac) on pseudo-repetitive rows: row r is a span of
+    periods[r] tokens repeated; at every target j >= period + 1 (the second repetition on, less its first target),
+    the model's probability of y[j] is pushed toward lam x its probability of the same token one period earlier
+    (not differentiated): mean of -log(1 - |p_j - lam * p_(j-period)|)."""
+    import torch
+
+    terms = []
+    for r, period in enumerate(periods):
+        p = torch.softmax(logits[r].float(), -1).gather(-1, y[r].unsqueeze(-1)).squeeze(-1)  # [S]
+        if p.shape[0] <= period + 1:
+            continue
+        cur, prev = p[period + 1:], p[1:-period].detach()
+        terms.append(-torch.log((1.0 - (cur - lam * prev).abs()).clamp_min(1e-6)))
+    return torch.cat(terms).mean() if terms else logits.new_zeros(())
+
+
 def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resume: bool = False,
-          stop_after: float | None = None, stop_after_steps: int | None = None, ckpt_every: float = 600.0) -> bool:
-    """Train; returns True when the schedule is complete (False: stopped early, a checkpoint holds the state)."""
+          stop_after: float | None = None, stop_after_steps: int | None = None, ckpt_every: float = 600.0,
+          init_gguf: Path | None = None, init_log: Path | None = None) -> bool:
+    """Train; returns True when the schedule is complete (False: stopped early, a checkpoint holds the state).
+    ``init_gguf``: start from that exported model's weights and step, with a fresh optimiser (ignored when
+    ``resume`` finds a checkpoint); its trainlog (``init_log``) opens this run's log."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+
+    def autocast():
+        import contextlib
+        return torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
+
+    print(f"precision {cfg.precision}" + (f"; DITTO on {cfg.ditto_frac:.0%} of each batch" if cfg.ditto_frac else ""),
+          flush=True)
+    for need in ("train_tokens.npy", "tokenizer.json"):
+        if not (work / need).exists():
+            raise SystemExit(f"train_moe.py: error: no {work / need}: run the tokenizer stage first (--stage tokenizer"
+                             f", with --tokenizer models/<shape>-tokenizer.json to go on from a committed model)")
     stream = np.load(work / "train_tokens.npy").astype(np.int64)
     held = heldout_tokens(work)
     rng = np.random.default_rng(cfg.seed)
@@ -346,6 +417,8 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
     ckpt_path = work / "ckpt.pt"
     log_path = out.with_suffix(".trainlog.jsonl")
     step, tokens_seen, elapsed_before = 0, 0, 0.0
+    if resume and not ckpt_path.exists() and init_gguf is not None:
+        resume = False  # the first run from the GGUF; later ones resume from its checkpoints
     if resume:
         if not ckpt_path.exists():
             raise SystemExit(f"train_moe.py: error: --resume: no checkpoint at {ckpt_path}")
@@ -358,6 +431,7 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
                                  f" this run {getattr(cfg, key)}")
         model.load_state_dict(ck["state_dict"])
         opt.load_state_dict(ck["optimizer"])
+        cfg.init_from, cfg.init_step = saved.init_from, saved.init_step
         rng.bit_generator.state = ck["numpy_rng"]
         torch.set_rng_state(ck["torch_rng"])
         step, tokens_seen, elapsed_before = ck["step"], ck["tokens_seen"], ck["train_seconds"]
@@ -366,6 +440,19 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
             kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
             log_path.write_text("".join(ln + "\n" for ln in kept))
         print(f"resumed at step {step} ({tokens_seen} tokens, {elapsed_before:.0f} s trained)", flush=True)
+    elif init_gguf is not None:
+        step, tokens_seen = load_gguf_weights(cfg, model, init_gguf)
+        cfg.init_from, cfg.init_step = str(init_gguf), step
+        # the data sampler starts from a seed of its own: the earlier run's batches are not replayed
+        rng = np.random.default_rng([cfg.seed, step])
+        kept = []
+        if init_log is not None and init_log.exists():
+            kept = [ln for ln in init_log.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+            if kept:
+                elapsed_before = float(json.loads(kept[-1]).get("elapsed_s", 0.0))
+        log_path.write_text("".join(ln + "\n" for ln in kept))
+        print(f"from {init_gguf}: step {step}, {tokens_seen} tokens ({len(kept)} log lines kept); fresh optimiser,"
+              f" warmup {cfg.warmup} steps to lr {cfg.lr}", flush=True)
     elif log_path.exists():
         log_path.unlink()
 
@@ -393,8 +480,8 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
     complete = True
     while step < cfg.steps:
         if time_budget is not None and cfg.decay_start == 0 and time.time() - t0 >= 0.8 * time_budget:
-            cfg.decay_start = max(step, cfg.warmup)
-            cfg.steps = int(round(1.25 * cfg.decay_start))
+            cfg.decay_start = max(step, first_step + cfg.warmup)
+            cfg.steps = cfg.decay_start + int(round(0.25 * (cfg.decay_start - first_step)))
             print(f"decay starts at step {cfg.decay_start}; total steps {cfg.steps}", flush=True)
         if step == cfg.decay_start and step > 0 and not (work / f"ckpt-stable-{step}.pt").exists():
             checkpoint(work / f"ckpt-stable-{step}.pt")
@@ -402,27 +489,41 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
                 or (stop_after_steps is not None and step >= first_step + stop_after_steps)):
             complete = False
             break
-        starts = rng.integers(0, len(stream) - cfg.n_ctx - 1, size=cfg.batch_seqs)
-        batch = np.stack([stream[s: s + cfg.n_ctx + 1] for s in starts])
+        n_rep = int(round(cfg.ditto_frac * cfg.batch_seqs))
+        starts = rng.integers(0, len(stream) - cfg.n_ctx - 1, size=cfg.batch_seqs - n_rep)
+        rows = [stream[s: s + cfg.n_ctx + 1] for s in starts]
+        periods = []
+        for _ in range(n_rep):
+            period = int(rng.integers(cfg.ditto_min, cfg.ditto_max + 1))
+            s = int(rng.integers(0, len(stream) - period))
+            rows.append(np.resize(stream[s: s + period], cfg.n_ctx + 1))  # the span again and again
+            periods.append(period)
+        batch = np.stack(rows)
         x = torch.from_numpy(batch[:, :-1])
         y = torch.from_numpy(batch[:, 1:])
         for gr in opt.param_groups:
             gr["lr"] = lr_schedule(cfg, step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast():
             logits, aux, z, _ = model(x)
-        ce = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
+        n_lm = cfg.batch_seqs - n_rep
+        ce = F.cross_entropy(logits[:n_lm].float().reshape(-1, cfg.vocab_size), y[:n_lm].reshape(-1))
         loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+        ditto = None
+        if n_rep:
+            ditto = ditto_loss(logits[n_lm:], y[n_lm:], periods, cfg.ditto_lambda)
+            loss = loss + ditto
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         tokens_seen += x.numel()
         rec = {"step": step + 1, "tokens": tokens_seen, "loss": round(ce.item(), 5),
+               **({} if ditto is None else {"ditto": round(ditto.item(), 5)}),
                "aux": round(aux.item(), 5), "z": round(z.item(), 4), "grad_norm": round(gn.item(), 4),
                "lr": lr_schedule(cfg, step), "elapsed_s": round(elapsed_before + time.time() - t0, 1)}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             model.eval()
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad(), autocast():
                 el, _, _, _ = model(ev_x)
                 rec["heldout_loss"] = round(F.cross_entropy(el.float().view(-1, cfg.vocab_size),
                                                             ev_y.reshape(-1)).item(), 5)
@@ -468,26 +569,78 @@ def load_trained(out: Path, checkpoint: Path | None = None):
 
 # --- export -------------------------------------------------------------------------------------
 
-def gguf_tensors(cfg: Config, model):
-    """(name, numpy array, is_f32) in the qwen3moe layout of llama.cpp's gguf tensor names."""
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    yield "token_embd.weight", sd["embed"], False
-    yield "output_norm.weight", sd["out_norm"], True
+def gguf_names(cfg: Config):
+    """(gguf tensor name, state_dict key, stored as F32) in the qwen3moe layout of llama.cpp's tensor names."""
+    yield "token_embd.weight", "embed", False
+    yield "output_norm.weight", "out_norm", True
     for i in range(cfg.n_layer):
         p = f"blocks.{i}."
         b = f"blk.{i}."
-        yield b + "attn_norm.weight", sd[p + "attn_norm"], True
-        yield b + "attn_q.weight", sd[p + "wq.weight"], False
-        yield b + "attn_k.weight", sd[p + "wk.weight"], False
-        yield b + "attn_v.weight", sd[p + "wv.weight"], False
-        yield b + "attn_output.weight", sd[p + "wo.weight"], False
-        yield b + "attn_q_norm.weight", sd[p + "q_norm"], True
-        yield b + "attn_k_norm.weight", sd[p + "k_norm"], True
-        yield b + "ffn_norm.weight", sd[p + "ffn_norm"], True
-        yield b + "ffn_gate_inp.weight", sd[p + "moe.router"], True
-        yield b + "ffn_gate_exps.weight", sd[p + "moe.w_gate"], False
-        yield b + "ffn_up_exps.weight", sd[p + "moe.w_up"], False
-        yield b + "ffn_down_exps.weight", sd[p + "moe.w_down"], False
+        yield b + "attn_norm.weight", p + "attn_norm", True
+        yield b + "attn_q.weight", p + "wq.weight", False
+        yield b + "attn_k.weight", p + "wk.weight", False
+        yield b + "attn_v.weight", p + "wv.weight", False
+        yield b + "attn_output.weight", p + "wo.weight", False
+        yield b + "attn_q_norm.weight", p + "q_norm", True
+        yield b + "attn_k_norm.weight", p + "k_norm", True
+        yield b + "ffn_norm.weight", p + "ffn_norm", True
+        yield b + "ffn_gate_inp.weight", p + "moe.router", True
+        yield b + "ffn_gate_exps.weight", p + "moe.w_gate", False
+        yield b + "ffn_up_exps.weight", p + "moe.w_up", False
+        yield b + "ffn_down_exps.weight", p + "moe.w_down", False
+
+
+def gguf_tensors(cfg: Config, model):
+    """(name, numpy array, is_f32) in the qwen3moe layout of llama.cpp's gguf tensor names."""
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    for name, key, is_f32 in gguf_names(cfg):
+        yield name, sd[key], is_f32
+
+
+def load_gguf_weights(cfg: Config, model, path: Path) -> tuple[int, int]:
+    """Set the model's weights from a GGUF this script exported (F32, F16 or a type gguf-py dequantizes, such as
+    the committed Q8_0): a later session goes on from the committed model when the trainer's checkpoints are gone.
+    Returns (step, tokens seen) of that model, read from its description ("trained on N tokens"; N / tokens per
+    step). The quantized weights are the starting point as they are (Q8_0: about 0.4% relative rounding)."""
+    import re
+
+    import gguf
+    import torch
+
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad input
+        raise SystemExit(f"train_moe.py: error: --init-gguf {path}: not a readable GGUF ({e})") from None
+
+    def field(key: str):
+        f = r.get_field(key)
+        return None if f is None else f.contents()
+
+    want = {"qwen3moe.block_count": cfg.n_layer, "qwen3moe.embedding_length": cfg.d_model,
+            "qwen3moe.expert_count": cfg.n_expert, "qwen3moe.expert_used_count": cfg.top_k,
+            "qwen3moe.expert_feed_forward_length": cfg.d_expert}
+    for key, v in want.items():
+        if field(key) != v:
+            raise SystemExit(f"train_moe.py: error: --init-gguf {path}: {key} is {field(key)}, this shape has {v}")
+    m = re.search(r"trained on (\d+) tokens", str(field("general.description") or ""))
+    per_step = cfg.batch_seqs * cfg.n_ctx
+    if not m or int(m.group(1)) % per_step:
+        raise SystemExit(f"train_moe.py: error: --init-gguf {path}: its description does not say how many tokens "
+                         f"it was trained on (a whole number of {per_step}-token steps)")
+    tokens = int(m.group(1))
+    tensors = {t.name: t for t in r.tensors}
+    sd = model.state_dict()
+    with torch.no_grad():
+        for name, key, _ in gguf_names(cfg):
+            if name not in tensors:
+                raise SystemExit(f"train_moe.py: error: --init-gguf {path}: no tensor {name}")
+            t = tensors[name]
+            arr = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+            if arr.size != sd[key].numel():
+                raise SystemExit(f"train_moe.py: error: --init-gguf {path}: {name} has {arr.size} values, "
+                                 f"{key} {sd[key].numel()}")
+            sd[key].copy_(torch.from_numpy(arr.reshape(tuple(sd[key].shape))))
+    return tokens // per_step, tokens
 
 
 def export(cfg: Config, model, work: Path, path: Path, tokens_seen: int, f32: bool = False,
@@ -692,6 +845,21 @@ def main() -> int:
                     help="seconds: stop at a step boundary with a checkpoint (go on later with --resume)")
     ap.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
     ap.add_argument("--resume", action="store_true", help="go on from <work>/ckpt.pt")
+    ap.add_argument("--tokenizer", default=None, metavar="JSON",
+                    help="tokenizer stage: encode the corpus with this tokenizer.json instead of training one (to go "
+                         "on from a committed model: models/<shape>-tokenizer.json)")
+    ap.add_argument("--init-gguf", default=None, metavar="GGUF",
+                    help="train stage: start from this exported model (e.g. models/studymoe-q8_0.gguf) at its step, "
+                         "with a fresh optimiser; with --resume, only when <work> has no checkpoint yet")
+    ap.add_argument("--init-log", default=None, metavar="JSONL",
+                    help="with --init-gguf: the model's trainlog (e.g. models/studymoe-trainlog.jsonl), kept at the "
+                         "head of this run's log")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the shape's)")
+    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: the shape's)")
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="auto: bf16 autocast where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+    ap.add_argument("--ditto", type=float, default=None, metavar="FRAC",
+                    help="share of each batch that is DITTO pseudo-repetitions (Config.ditto_frac; default 0)")
     ap.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints")
     ap.add_argument("--from-checkpoint", action="store_true",
                     help="export/eval the newest checkpoint (<work>/ckpt.pt) of a run in progress: an interim model")
@@ -704,6 +872,19 @@ def main() -> int:
     cfg = Config(**SHAPES[args.shape])
     if args.threads is not None:
         cfg.threads = args.threads
+    if args.lr is not None:
+        cfg.lr = args.lr
+    if args.warmup is not None:
+        cfg.warmup = args.warmup
+    if args.ditto is not None:
+        if not 0 <= args.ditto < 1:
+            ap.error("--ditto: a share in [0, 1)")
+        cfg.ditto_frac = args.ditto
+    if args.precision != "auto":
+        cfg.precision = args.precision
+    elif args.stage in ("train", "all"):
+        import torch
+        cfg.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     if args.steps is not None:
         cfg.steps = args.steps
     if args.decay_start is not None:
@@ -715,10 +896,12 @@ def main() -> int:
         cfg.steps = args.stable_steps + args.decay_steps
     ckpt = work / out.name
     if args.stage in ("tokenizer", "all"):
-        train_tokenizer(cfg, work)
+        train_tokenizer(cfg, work, Path(args.tokenizer) if args.tokenizer else None)
     if args.stage in ("train", "all"):
         done = train(cfg, work, ckpt, args.time_budget, resume=args.resume, stop_after=args.stop_after,
-                     stop_after_steps=args.stop_after_steps, ckpt_every=args.checkpoint_every)
+                     stop_after_steps=args.stop_after_steps, ckpt_every=args.checkpoint_every,
+                     init_gguf=Path(args.init_gguf) if args.init_gguf else None,
+                     init_log=Path(args.init_log) if args.init_log else None)
         (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
         if not done:
             return 0
