@@ -263,6 +263,23 @@ def write_corpus_stats(work: Path, stats: dict[str, list[int]]) -> None:
         {d: {"documents": n, "characters": c} for d, (n, c) in stats.items()}, indent=1) + "\n")
 
 
+REFRESH_EVAL = False  # --refresh-eval
+
+
+def write_eval_text(path: Path, text: str) -> None:
+    """Write an evaluation text, but never replace a different one silently: every committed figure was measured on
+    the file as it is, and the same rule on another machine's Debian packages picks other bytes (postgresql-doc-15
+    15.18 against 15.20 changed heldout-docs.txt). A different text goes to <path>.new with a one-line notice, unless
+    --refresh-eval."""
+    if path.exists() and not REFRESH_EVAL and path.read_text(encoding="utf-8") != text:
+        new = path.with_name(path.name + ".new")
+        new.write_text(text, encoding="utf-8")
+        print(f"build_corpus: {path} differs from what this machine's packages give; kept it, wrote {new} "
+              f"(--refresh-eval replaces it)", file=sys.stderr)
+        return
+    path.write_text(text, encoding="utf-8")
+
+
 def write_held_out(docs: dict[str, list[Doc]], targets: dict[str, int], text_path: Path, sources_path: Path,
                    label: str) -> None:
     """Whole documents (each cut at 20k characters), in the order given, until each domain's target; the text and
@@ -279,8 +296,10 @@ def write_held_out(docs: dict[str, list[Doc]], targets: dict[str, int], text_pat
             manifest.append({"domain": domain, "source": src, "chars": len(t)})
             got += len(t)
         print(f"{label} {domain}: {got} characters")
-    text_path.write_text("\n".join(parts), encoding="utf-8")
-    sources_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    before = text_path.read_text(encoding="utf-8") if text_path.exists() else None
+    write_eval_text(text_path, "\n".join(parts))
+    if before is None or text_path.read_text(encoding="utf-8") != before:  # the manifest goes with its text
+        sources_path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 # --- the study corpus's extra sources (--corpus study) ---------------------------------------------
@@ -411,7 +430,11 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="default build/tinymoe, or ~/.cache/moe-subst/studymoe (the "
                     "folder scripts/train_moe.py --shape studymoe uses) for --corpus study")
     ap.add_argument("--eval-dir", default="eval/data")
+    ap.add_argument("--refresh-eval", action="store_true",
+                    help="replace committed evaluation texts that differ (default: keep them, write <name>.new)")
     args = ap.parse_args()
+    global REFRESH_EVAL
+    REFRESH_EVAL = args.refresh_eval
     if args.work:
         work = Path(args.work)
     elif args.corpus == "study":
@@ -475,9 +498,11 @@ def main() -> int:
         text_parts.append(seg)
         offset_chars += len(seg)
         offset_bytes += len(seg.encode())
-    (eval_dir / "topic-shift.txt").write_text("".join(text_parts), encoding="utf-8")
-    (eval_dir / "topic-shift.json").write_text(json.dumps(
-        {"schema_version": 1, "text": "topic-shift.txt", "segments": segments}, indent=1) + "\n")
+    shift_text = "".join(text_parts)
+    write_eval_text(eval_dir / "topic-shift.txt", shift_text)
+    if (eval_dir / "topic-shift.txt").read_text(encoding="utf-8") == shift_text:  # its segments go with it
+        (eval_dir / "topic-shift.json").write_text(json.dumps(
+            {"schema_version": 1, "text": "topic-shift.txt", "segments": segments}, indent=1) + "\n")
     print(f"topic-shift: {len(segments)} segments, {offset_chars} characters")
     return 0
 
