@@ -68,15 +68,21 @@ def test_resume_without_a_checkpoint_is_one_line(work: Path) -> None:
         tm.train(_cfg(), work, work / "m.gguf", None, resume=True)
 
 
-def test_init_gguf_goes_on_from_an_exported_model(work: Path, tmp_path: Path) -> None:
-    """A run from an exported GGUF (--init-gguf: a later session going on from the committed model) starts from its
-    weights, step and tokens, keeps its log, and counts its warmup from that step."""
+def _trained_and_exported(work: Path, tmp_path: Path) -> tuple[tm.Config, object, Path]:
+    """A 6-step run of the tiny shape, exported as an all-F32 GGUF: (config, model, GGUF)."""
     pytest.importorskip("gguf")
     cfg = _cfg()
     assert tm.train(cfg, work, work / "m.gguf", None)
     _, model, ck = tm.load_trained(work / "m.gguf")
     gg = tmp_path / "m-f32.gguf"
     tm.export(cfg, model, work, gg, ck["tokens_seen"], f32=True)
+    return cfg, model, gg
+
+
+def test_init_gguf_goes_on_from_an_exported_model(work: Path, tmp_path: Path) -> None:
+    """A run from an exported GGUF (--init-gguf: a later session going on from the committed model) starts from its
+    weights, step and tokens, keeps its log, and counts its warmup from that step."""
+    cfg, model, gg = _trained_and_exported(work, tmp_path)
 
     fresh = tm.build_model(_cfg(seed=99))
     step, tokens = tm.load_gguf_weights(_cfg(), fresh, gg)
@@ -98,12 +104,7 @@ def test_init_gguf_goes_on_from_an_exported_model(work: Path, tmp_path: Path) ->
 
 
 def test_init_gguf_refuses_another_shape_in_one_line(work: Path, tmp_path: Path) -> None:
-    pytest.importorskip("gguf")
-    cfg = _cfg()
-    assert tm.train(cfg, work, work / "m.gguf", None)
-    _, model, ck = tm.load_trained(work / "m.gguf")
-    gg = tmp_path / "m-f32.gguf"
-    tm.export(cfg, model, work, gg, ck["tokens_seen"], f32=True)
+    cfg, model, gg = _trained_and_exported(work, tmp_path)
     with pytest.raises(SystemExit, match="qwen3moe.expert_count is 8, this shape has 16"):
         tm.load_gguf_weights(_cfg(n_expert=16), tm.build_model(_cfg(n_expert=16)), gg)
     bad = tmp_path / "bad.gguf"
