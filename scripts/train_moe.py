@@ -33,6 +33,13 @@ session can extend the constant phase (resume from it with a larger ``--stable-s
 
     nice -n 10 .venv/bin/python scripts/train_moe.py --shape studymoe --stage train \
         --stable-steps 6000 --decay-steps 600 --stop-after 7200      # hours of it; then again with --resume
+
+The checkpoints live in the cache folder and are lost with the machine; the committed model is not. To go on from
+it (fresh optimiser, warmup from its step; models/studymoe-notes.md):
+
+    .venv/bin/python scripts/train_moe.py --shape studymoe --stage tokenizer --tokenizer models/studymoe-tokenizer.json
+    .venv/bin/python scripts/train_moe.py --shape studymoe --stage train --init-gguf models/studymoe-q8_0.gguf \
+        --init-log models/studymoe-trainlog.jsonl --resume --lr 3e-4 --warmup 50 --time-budget 3000
 """
 
 from __future__ import annotations
@@ -125,6 +132,13 @@ SHAPES = {
 
 # --- tokenizer ----------------------------------------------------------------------------------
 
+def corpus_texts(work: Path):
+    """The documents of <work>/train.jsonl (scripts/build_corpus.py), in order."""
+    with open(work / "train.jsonl", encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)["text"]
+
+
 def train_tokenizer(cfg: Config, work: Path, reuse: Path | None = None) -> None:
     """Train the BPE on <work>/train.jsonl and encode the corpus to <work>/train_tokens.npy; with ``reuse`` (a
     tokenizer.json, e.g. a committed model's models/<name>-tokenizer.json) encode with that one instead, so that a
@@ -151,12 +165,8 @@ def train_tokenizer(cfg: Config, work: Path, reuse: Path | None = None) -> None:
         vocab_size=cfg.vocab_size, min_frequency=2, special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
 
-    def texts():
-        with open(work / "train.jsonl", encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)["text"]
 
-    tok.train_from_iterator(texts(), trainer=trainer)
+    tok.train_from_iterator(corpus_texts(work), trainer=trainer)
     assert tok.get_vocab_size() == cfg.vocab_size, tok.get_vocab_size()
     tok.save(str(work / "tokenizer.json"))
     encode_corpus(tok, work)
@@ -164,10 +174,6 @@ def train_tokenizer(cfg: Config, work: Path, reuse: Path | None = None) -> None:
 
 def encode_corpus(tok, work: Path) -> None:
     """<work>/train.jsonl to the training stream <work>/train_tokens.npy (documents separated by EOT)."""
-    def texts():
-        with open(work / "train.jsonl", encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)["text"]
 
     eot = tok.token_to_id(EOT)
     ids: list[np.ndarray] = []
@@ -178,7 +184,7 @@ def encode_corpus(tok, work: Path) -> None:
             ids.append(np.asarray(enc.ids + [eot], dtype=np.uint16))
         batch.clear()
 
-    for t in texts():
+    for t in corpus_texts(work):
         batch.append(t)
         if len(batch) == 256:
             flush()
