@@ -126,6 +126,16 @@ CASES = [
     ("rule=first-choice,max_rank=0", "error: max_rank applies to rule=band, not to rule=first-choice"),
     ("rule=bands", "error: bad value 'bands' for key 'rule' (accepted: fetch-all, threshold, first-choice, "
                    "substitute-all, drop, cache-route, zero, ser, band)"),
+    # two path keys on one file (issue 35): stats= and trace= there destroyed both and exited 0
+    ("policy=quality,stats=s.json,trace=s.json",
+     "error: stats=s.json and trace=s.json name the same file: one would overwrite the other; give each its own path"),
+    ("stats=./out//s.json,trace=out/s.json/", "error: stats=./out//s.json and trace=out/s.json/ name the same file"),
+    ("profile_out=p.txt,stats=p.txt", "error: profile_out=p.txt and stats=p.txt name the same file"),
+    ("profile=p.txt,trace=p.txt", "error: profile=p.txt and trace=p.txt name the same file"),
+    ("profile=p.txt,profile_out=p.txt", "ok"),  # a profile updated in place: read at the start, written at the end
+    ("stats=s.json,trace=t.bin,profile_out=p.txt", "ok"),
+    ("stats=/dev/null,trace=/dev/null", "ok"),  # a device is no file to lose
+    ("mode=off,stats=s.json,trace=s.json", "ok"),  # mode=off writes nothing (the other keys are a warning)
 ]
 
 # the checks that need the model: k = 8 experts per token of 64 (the cache and llama-moe-sim make them)
@@ -153,6 +163,32 @@ def test_spec_rules(spec_parse: Path) -> None:
     assert len(out) == len(CASES), out
     for (spec, want), got in zip(CASES, out, strict=True):
         assert got.startswith(want), f"{spec!r}: {got!r}"
+
+
+def test_spec_refuses_two_path_keys_on_one_existing_file(spec_parse: Path, tmp_path: Path) -> None:
+    """The same file under other names: a hard link, a symbolic link, a relative and an absolute path to a file not
+    written yet (its folder is the same); distinct files and names pass."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "s.json").write_text("{}")
+    (tmp_path / "hard.json").hardlink_to(tmp_path / "s.json")
+    (tmp_path / "soft.json").symlink_to(tmp_path / "s.json")
+    (tmp_path / "other.json").write_text("{}")
+    (tmp_path / "dir-link").symlink_to(tmp_path / "run")
+    cases = [
+        (f"stats={tmp_path}/s.json,trace={tmp_path}/hard.json", "error: stats="),
+        ("stats=soft.json,trace=s.json", "error: stats=soft.json and trace=s.json name the same file"),
+        (f"stats=run/new.json,trace={tmp_path}/run/new.json", "error: stats=run/new.json and trace="),
+        ("stats=dir-link/new.json,profile_out=run/new.json", "error: profile_out=run/new.json and stats="),
+        ("stats=s.json,trace=other.json", "ok"),
+        ("stats=run/a.json,trace=run/b.json", "ok"),
+        ("stats=run/x,trace=x", "ok"),  # one name in two folders
+    ]
+    out = subprocess.run([str(spec_parse), "--spec", *(c for c, _ in cases)], capture_output=True, text=True,
+                         check=True, timeout=60, cwd=tmp_path).stdout.splitlines()
+    assert len(out) == len(cases), out
+    for (spec, want), got in zip(cases, out, strict=True):
+        assert got.startswith(want), f"{spec!r}: {got!r}"
+    assert (tmp_path / "s.json").read_text() == "{}"
 
 
 def test_spec_checks_with_the_model(spec_parse: Path) -> None:

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -467,6 +468,29 @@ static bool key_of_another_rule(const std::string & key, llama_expert_miss_rule 
     return true;
 }
 
+// the files the path keys name are distinct (llama_expert_path_same): stats=, trace= and profile_out= each write their
+// own file at the end, and one on another's path destroys both (the last write replaces the first, the run exits 0);
+// profile= is read at the start, so only profile_out= may name it (a profile updated in place)
+static bool spec_check_paths_differ(const llama_expert_cache_config & cfg, std::string & err) {
+    const struct { const char * key; const std::string * path; } files[] = {
+        { "profile", &cfg.profile }, { "profile_out", &cfg.profile_out }, { "stats", &cfg.stats }, { "trace", &cfg.trace },
+    };
+    for (size_t i = 0; i < std::size(files); ++i) {
+        for (size_t j = i + 1; j < std::size(files); ++j) {
+            const auto & a = files[i], & b = files[j];
+            if (a.path->empty() || b.path->empty() || (a.path == &cfg.profile && b.path == &cfg.profile_out)) {
+                continue;
+            }
+            if (llama_expert_path_same(*a.path, *b.path)) {
+                err = std::string(a.key) + "=" + shown(*a.path) + " and " + b.key + "=" + shown(*b.path) +
+                    " name the same file: one would overwrite the other; give each its own path";
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cache_config & cfg, std::string & err) {
     cfg = llama_expert_cache_config();
     cfg.spec = spec;
@@ -646,6 +670,9 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     }
     if (cfg.light_host && cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
         err = "light=host (experts computed on the host) is not implemented in mode=engine yet: use mode=emulate, or light=substitute";
+        return false;
+    }
+    if (cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF && !spec_check_paths_differ(cfg, err)) {
         return false;
     }
     return true;
