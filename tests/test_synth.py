@@ -240,6 +240,34 @@ def test_cli_synth(tmp_path: Path) -> None:
     assert out.read_bytes() == write_synth_model(spec, tmp_path / "lib.gguf").read_bytes()
 
 
+def test_cli_synth_refuses_an_existing_model_without_force(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `harness synth -o M` replaced an existing M silently (a model lost); now one line names --force, the
+    file is untouched, and --force replaces it."""
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"a model the user keeps")
+    assert main(["synth", "-o", str(out), "--experts", "8", "--top-k", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"harness: error: synth: {out} exists: pass --force to replace it, or another -o", err
+    assert out.read_bytes() == b"a model the user keeps"
+    assert main(["synth", "-o", str(out), "--experts", "8", "--top-k", "2", "--force"]) == 0
+    lib = write_synth_model(SynthSpec(n_expert=8, n_expert_used=2), tmp_path / "l.gguf")
+    assert out.read_bytes() == lib.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.gguf", "m.gguf"]  # no .part left
+
+
+def test_cli_synth_into_a_folder_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `harness synth -o FOLDER` wrote FOLDER.part next to it and died in os.replace with a traceback."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for extra in ([], ["--force"]):
+        assert main(["synth", "-o", str(folder), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"harness: error: synth: -o {folder} is a folder: name the .gguf file") and \
+            "\n" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"] and not any(folder.iterdir())
+
+
 def _glm4moe(n_nextn: int, dtype: str = "f32") -> SynthSpec:
     return SynthSpec(arch="glm4moe", n_layer=3, n_dense_lead=1, n_nextn=n_nextn, n_expert=8, n_expert_used=2,
                      dtype=dtype, seed=3)

@@ -60,10 +60,10 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     if args.quantize:
         from harness.tools import quantize
 
-        path = quantize.write_kquant_model(spec, args.quantize, args.output)
+        path = quantize.write_kquant_model(spec, args.quantize, args.output, replace=args.force)
         console.print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MiB, {args.quantize}): {spec}")
         return 0
-    path = synth.write_synth_model(spec, args.output)
+    path = synth.write_synth_model(spec, args.output, replace=args.force)
     console.print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MiB): {spec}")
     return 0
 
@@ -705,7 +705,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_info)
 
     s = sub.add_parser("synth", help="write a small random-weight MoE GGUF (deterministic by seed)")
-    s.add_argument("-o", "--output", type=Path, required=True, help="where to write the .gguf")
+    s.add_argument("-o", "--output", type=Path, required=True, help="where to write the .gguf (an existing file is "
+                   "refused unless --force)")
+    s.add_argument("--force", action="store_true", help="replace an existing file at -o")
     s.add_argument("--arch", default="qwen3moe", help="qwen3moe (softmax, normalised top-k), qwen2moe (shared "
                    "expert), hy_v3 (merged gate_up experts, sigmoid router), mixtral (llama with experts), gpt-oss "
                    "(per-expert biases, softmax after top-k, attention sinks), deepseek2 (MLA, shared expert, "

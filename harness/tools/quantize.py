@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness.core.errors import HarnessError
 from harness.core.project import Build, read_builds
-from harness.tools.synth import SynthSpec, write_synth_model
+from harness.tools.synth import SynthSpec, check_output, write_synth_model
 
 QUANTIZE_TOOL = "llama-quantize"
 KQUANTS: tuple[str, ...] = ("Q4_K_M", "Q6_K")  # llama-quantize's type names
@@ -75,11 +75,14 @@ def quantize_model(tool: Path, src: Path, dst: Path, qtype: str, *, threads: int
     return dst
 
 
-def write_kquant_model(spec: SynthSpec, qtype: str, path: str | Path, tool: Path | None = None) -> Path:
-    """Write `spec` (its dtype ignored) as f16 next to `path`, quantize it to `qtype` at `path`, return the path."""
+def write_kquant_model(spec: SynthSpec, qtype: str, path: str | Path, tool: Path | None = None, *,
+                       replace: bool = True) -> Path:
+    """Write `spec` (its dtype ignored) as f16 next to `path` (PATH.f16.part, removed after), quantize it to `qtype`
+    at `path`, return the path. `replace=False`: an existing file at `path` is refused (synth.check_output)."""
     check_kquant_spec(spec, qtype)
     path = Path(path)
-    f16 = path.with_name(path.stem + "-f16.gguf")
+    check_output(path, replace=replace)
+    f16 = path.with_name(path.name + ".f16.part")  # a name of its own: no user's file is overwritten, then removed
     write_synth_model(dataclasses.replace(spec, dtype="f16"), f16)
     try:
         return quantize_model(find_quantize() if tool is None else tool, f16, path, qtype)

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.core.errors import HarnessError
+from harness.core.files import special_kind
 from harness.tools.synth_layouts import (
     ARCHS,
     CACHE_REFUSED,
@@ -218,10 +219,25 @@ def _encoded_in_order(plan: list[PlannedTensor], qtypes: list[int], seed: int, d
 # writing
 
 
+def check_output(path: str | Path, *, replace: bool) -> None:
+    """A HarnessError (one line) when the model cannot be written at `path`: a folder or another file that is not a
+    regular one (a FIFO, a device), or, unless `replace`, an existing model (`harness synth` replaces one only with
+    --force: a model overwritten silently is lost)."""
+    kind = special_kind(path)
+    if kind == "a folder":
+        raise HarnessError(f"synth: -o {path} is a folder: name the .gguf file to write (e.g. "
+                           f"{Path(path) / 'model.gguf'})")
+    if kind is not None:
+        raise HarnessError(f"synth: -o {path} is {kind}, not a regular file: name the .gguf file to write")
+    if not replace and Path(path).exists():
+        raise HarnessError(f"synth: {path} exists: pass --force to replace it, or another -o")
+
+
 def _write(path: Path, arch: str, name: str, dtype: DType, seed: int, plan: list[PlannedTensor],
-           add_hparams: Callable[[object], None], n_vocab: int, direct: bool = False) -> Path:
+           add_hparams: Callable[[object], None], n_vocab: int, direct: bool = False, replace: bool = True) -> Path:
     import gguf
 
+    check_output(path, replace=replace)
     f32 = int(gguf.GGMLQuantizationType.F32)
     tmp = path.with_name(path.name + ".part")
     try:
@@ -286,15 +302,16 @@ def _end_tensor(writer: object, fout: object, t: PlannedTensor, qtype: int, writ
     writer.write_padding(fout, written)  # type: ignore[attr-defined]
 
 
-def write_synth_model(spec: SynthSpec, path: str | Path, *, direct: bool = False) -> Path:
+def write_synth_model(spec: SynthSpec, path: str | Path, *, direct: bool = False, replace: bool = True) -> Path:
     """Write the model `spec` describes to `path` (atomically) and return the path. `direct`: Q4_0/Q8_0 blocks
-    drawn directly (the module's docstring); refused for another dtype."""
+    drawn directly (the module's docstring); refused for another dtype. `replace=False`: an existing file at `path`
+    is refused (check_output)."""
     check_spec(spec)
     dt = dtype_of(spec.dtype)
     if direct and not direct_supported(dt.ggml):
         raise HarnessError(f"synth: direct blocks are drawn for q4_0 and q8_0, not {spec.dtype}")
     return _write(Path(path), spec.gguf_arch, model_name(spec), dt, spec.seed, plan_moe(spec),
-                  lambda w: moe_hparams(spec, w), spec.n_vocab, direct)
+                  lambda w: moe_hparams(spec, w), spec.n_vocab, direct, replace)
 
 
 def write_dense_model(path: str | Path, seed: int = 0, *, n_layer: int = 2, n_embd: int = 64, n_ff: int = 128,
