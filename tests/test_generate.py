@@ -134,6 +134,39 @@ def test_prompt_file_errors(tmp_path: Path) -> None:
         read_prompts(tmp_path / "missing.jsonl")
 
 
+def test_prompt_file_not_utf8_or_with_an_empty_prompt_names_the_line(tmp_path: Path) -> None:
+    """Before, a non-UTF-8 prompt file was a UnicodeDecodeError traceback and an empty prompt reached the worker;
+    now each is one line naming the file and the line."""
+    f = tmp_path / "p.jsonl"
+    good = b'{"id": "a", "kind": "prose", "text": "x"}\n'
+    f.write_bytes(good + b'\n{"id": "b", "kind": "prose", "text": "caf\xe9"}\n')
+    with pytest.raises(HarnessError) as e:
+        read_prompts(f)
+    assert str(e.value) == f"{f}:3: not UTF-8 (byte 0xe9 at column 42): save the prompt file as UTF-8"
+    f.write_bytes(good + b'{"id": "b", "kind": "gsm8k", "text": ""}\n')
+    with pytest.raises(HarnessError) as e:
+        read_prompts(f)
+    assert str(e.value) == f"{f}:2: prompt 'b' has an empty text: give it a text, or remove the line"
+    f.write_bytes(good + '{"id": "c", "kind": "prose", "text": "caf\u00e9 \u2028 ok"}\r\n'.encode())
+    assert [p.text for p in read_prompts(f)] == ["x", "caf\u00e9 \u2028 ok"]  # U+2028 inside a text is no line end
+
+
+@pytest.mark.parametrize("bad", [b'{"id": "a", "kind": "prose", "text": "\xff"}\n',
+                                 b'{"id": "a", "kind": "prose", "text": ""}\n'])
+def test_generate_with_a_bad_prompt_file_is_one_line(tmp_path: Path, bad: bytes,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`harness generate --prompts BAD`: exit 2 and one line on stderr naming the file and line, no traceback."""
+    from harness.cli import main
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    model = write_synth_model(SynthSpec(n_expert=8, n_expert_used=2), tmp_path / "m.gguf")
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_bytes(bad)
+    assert main(["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"harness: error: {prompts}:1: ") and "\n" not in err, err
+
+
 def test_dataset_prompts_offline_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_SUBST_CACHE", str(tmp_path))
 

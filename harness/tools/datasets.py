@@ -124,14 +124,21 @@ _PROMPT_RENDER: dict[str, Callable[[int, Mapping[str, Any]], Prompt]] = {
 
 
 def read_prompts(path: Path) -> list[Prompt]:
-    """A prompt file: JSON Lines of {"id", "kind", "text"} (eval/data/gen-prompts.jsonl); one-line errors."""
+    """A prompt file: JSON Lines of {"id", "kind", "text"} (eval/data/gen-prompts.jsonl), UTF-8, each text not
+    empty; one-line errors naming the file and line."""
     import json
 
     refuse_special(path, "the prompt file")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
     except OSError as e:
         raise HarnessError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        n, col = data.count(b"\n", 0, e.start) + 1, e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise HarnessError(f"{path}:{n}: not UTF-8 (byte 0x{data[e.start]:02x} at column {col}): save the prompt "
+                           "file as UTF-8") from None
     out: list[Prompt] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -143,6 +150,8 @@ def read_prompts(path: Path) -> list[Prompt]:
             raise HarnessError(f"{path}:{n}: not a prompt record {{id, kind, text}} ({type(e).__name__})") from None
         if p.kind not in PROMPT_KINDS:
             raise HarnessError(f"{path}:{n}: kind {p.kind!r}: use {', '.join(PROMPT_KINDS)}")
+        if not p.text:
+            raise HarnessError(f"{path}:{n}: prompt {p.id!r} has an empty text: give it a text, or remove the line")
         out.append(p)
     ids = [p.id for p in out]
     if len(set(ids)) != len(ids):
