@@ -13,7 +13,9 @@ from harness.parsers.gguf_model import read_model_info
 
 
 def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: int = 16, k: int = 2,
-           nextn: int = 0) -> Path:
+           nextn: int = 0, expert_count: int | None = None) -> Path:
+    """A qwen3moe GGUF with `n_expert` experts per layer (0: dense), `k` used per token; `expert_count`: the
+    metadata's expert count when it is not n_expert (a damaged file)."""
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(n_layer)
     if nextn:
@@ -24,7 +26,7 @@ def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: 
     for il in range(n_layer):
         w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         if n_expert:
-            w.add_expert_count(n_expert) if il == 0 else None
+            w.add_expert_count(n_expert if expert_count is None else expert_count) if il == 0 else None
             w.add_expert_used_count(k) if il == 0 else None
             w.add_tensor(f"blk.{il}.ffn_gate_inp.weight", rng.standard_normal((n_expert, n_embd), dtype=np.float32))
             for kind, shape in (("gate", (n_expert, n_ff, n_embd)), ("up", (n_expert, n_ff, n_embd)),
@@ -87,7 +89,36 @@ def test_not_gguf(tmp_path: Path) -> None:
         read_model_info(tmp_path / "missing.gguf")
 
 
-@pytest.mark.parametrize("case", ["dense", "truncated", "small-budget", "text"])
+def test_expert_counts_that_llama_cpp_aborts_on(tmp_path: Path) -> None:
+    """Before, a GGUF using more experts per token than a layer has was read as a model (harness info printed it),
+    and one with an expert count of 0 but routed experts was "not a Mixture-of-Experts model: run it with stock
+    llama.cpp", which aborts on both: now each is one line saying what is wrong."""
+    over = _write(tmp_path / "over.gguf", n_expert=8, k=9)
+    with pytest.raises(HarnessError) as e:
+        read_model_info(over)
+    assert str(e.value).startswith(f"{over}: qwen3moe.expert_used_count=9 is more than qwen3moe.expert_count=8 ")
+    zero = _write(tmp_path / "zero.gguf", n_expert=8, expert_count=0)
+    with pytest.raises(HarnessError) as e:
+        read_model_info(zero)
+    assert not isinstance(e.value, NotMoEError)
+    assert str(e.value).startswith(f"{zero}: qwen3moe.expert_count is 0 or missing, yet the file has routed"
+                                   " expert tensors")
+    # no expert tensors, but the count of experts used: a MoE file whose experts are gone
+    w = gguf.GGUFWriter(str(tmp_path / "used.gguf"), "qwen3moe")
+    w.add_block_count(1)
+    w.add_expert_count(0)
+    w.add_expert_used_count(4)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(HarnessError, match=r"expert_count is 0 or missing, yet the file has qwen3moe\.expert_used_co"):
+        read_model_info(tmp_path / "used.gguf")
+    assert read_model_info(_write(tmp_path / "k8.gguf", n_expert=8, k=8)).n_expert_used == 8  # all of them: fine
+
+
+@pytest.mark.parametrize("case", ["dense", "truncated", "small-budget", "text", "used-above-experts", "zero-experts"])
 def test_cli_errors_are_one_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
     model = _write(tmp_path / "m.gguf", n_expert=8)
     argv = [str(model)]
@@ -98,6 +129,10 @@ def test_cli_errors_are_one_line(tmp_path: Path, case: str, capsys: pytest.Captu
         argv = [str(tmp_path / "t.gguf")]
     elif case == "small-budget":
         argv += ["--vram", "1K"]
+    elif case == "used-above-experts":
+        argv = [str(_write(tmp_path / "o.gguf", n_expert=8, k=9))]
+    elif case == "zero-experts":
+        argv = [str(_write(tmp_path / "z.gguf", n_expert=8, expert_count=0))]
     else:
         (tmp_path / "a.txt").write_text("text")
         argv = [str(tmp_path / "a.txt")]

@@ -1,7 +1,8 @@
 """What a GGUF model is, for the cache: read from its metadata and tensor table (no weights are loaded).
 
 A pure reader: `read_model_info(path)` returns a frozen `ModelInfo` or raises a `HarnessError` with a
-one-line message (not a GGUF file, truncated, not an MoE model).
+one-line message (not a GGUF file, truncated, not an MoE model, expert counts that llama.cpp would abort on:
+`check_expert_counts`).
 
 NextN/MTP layers (``{arch}.nextn_predict_layers``, the last layers of ``block_count``: GLM-4.5, DeepSeek-V3,
 Qwen3-Next... as the pinned converter writes them) are not counted as MoE layers and their tensors are in neither
@@ -27,6 +28,7 @@ from harness.core.files import require_regular_file
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 _SHEXP_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
+_ROUTER_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 _GATE_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 # Architectures whose llama.cpp graph fixes the gating without the expert_gating_func key.
 _GATING_BY_ARCH = {"gpt-oss": "softmax_weight"}
@@ -94,6 +96,34 @@ def _field(reader: Any, key: str) -> Any:
     return value
 
 
+def _count(p: Path, reader: Any, key: str) -> int:
+    """A count of the metadata (0 when absent); one per layer (an array): the largest, as llama.cpp validates
+    n_expert_used_max(); anything else is a one-line error."""
+    value = _field(reader, key)
+    if value is None:
+        return 0
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise HarnessError(f"{p}: {key} is {value!r}, not a count")
+    return max(int(v) for v in values)
+
+
+def check_expert_counts(p: Path, arch: str, n_expert: int, n_used: int, *, routed: bool) -> None:
+    """The expert counts that llama.cpp of the pin asserts when it loads the model (llama_model::load_hparams:
+    n_expert_used <= n_expert, and none used without experts; a MoE architecture throws "n_expert must be > 0"), as
+    one-line errors: a file with routed expert or router tensors (`routed`) or an experts-used count, but an expert
+    count of 0, and more experts used per token than a layer has. Without any of them the model is dense (NotMoEError
+    follows)."""
+    fix = "a damaged or wrongly converted GGUF (llama.cpp aborts loading it): convert the model again"
+    if n_expert <= 0 and (routed or n_used > 0):
+        what = "routed expert tensors" if routed else f"{arch}.expert_used_count={n_used}"
+        raise HarnessError(f"{p}: {arch}.expert_count is {'0 or missing' if n_expert == 0 else n_expert}, yet the "
+                           f"file has {what}: {fix}")
+    if n_expert > 0 and n_used > n_expert:
+        raise HarnessError(f"{p}: {arch}.expert_used_count={n_used} is more than {arch}.expert_count={n_expert} (a "
+                           f"token cannot use more experts than a layer has): {fix}")
+
+
 def read_model_info(path: str | Path) -> ModelInfo:
     p = Path(path)
     require_regular_file(p, "the model")
@@ -122,8 +152,8 @@ def read_model_info(path: str | Path) -> ModelInfo:
     if not isinstance(arch, str):
         raise HarnessError(f"{p}: the GGUF file has no general.architecture")
     n_layers = int(_field(reader, f"{arch}.block_count") or 0)
-    n_expert = int(_field(reader, f"{arch}.expert_count") or 0)
-    n_used = int(_field(reader, f"{arch}.expert_used_count") or 0)
+    n_expert = _count(p, reader, f"{arch}.expert_count")
+    n_used = _count(p, reader, f"{arch}.expert_used_count")
     n_shared = _field(reader, f"{arch}.expert_shared_count")
     gating_id = _field(reader, f"{arch}.expert_gating_func")
     norm = _field(reader, f"{arch}.expert_weights_norm")
@@ -149,6 +179,8 @@ def read_model_info(path: str | Path) -> ModelInfo:
         if (s := _SHEXP_RE.match(t.name)) is not None:
             shexp_layers.add(int(s.group(1)))
         non_expert += int(t.n_bytes)
+    routers = any(_ROUTER_RE.match(t.name) for t in tensors)
+    check_expert_counts(p, arch, n_expert, n_used, routed=bool(experts) or routers)
     if not experts or n_expert <= 1:
         raise NotMoEError(f"{p}: not a Mixture-of-Experts model ({arch} has no routed expert tensors): "
                           "there is nothing to cache; run it with stock llama.cpp")
