@@ -13,9 +13,9 @@ from harness.parsers.gguf_model import read_model_info
 
 
 def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: int = 16, k: int = 2,
-           nextn: int = 0, expert_count: int | None = None) -> Path:
-    """A qwen3moe GGUF with `n_expert` experts per layer (0: dense), `k` used per token; `expert_count`: the
-    metadata's expert count when it is not n_expert (a damaged file)."""
+           nextn: int = 0, expert_count: int | None = None, k_per_layer: list[int] | None = None) -> Path:
+    """A qwen3moe GGUF with `n_expert` experts per layer (0: dense), `k` used per token (`k_per_layer`: an array
+    instead); `expert_count`: the metadata's expert count when it is not n_expert (a damaged file)."""
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(n_layer)
     if nextn:
@@ -27,7 +27,8 @@ def _write(path: Path, n_expert: int, n_layer: int = 2, n_embd: int = 32, n_ff: 
         w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         if n_expert:
             w.add_expert_count(n_expert if expert_count is None else expert_count) if il == 0 else None
-            w.add_expert_used_count(k) if il == 0 else None
+            if il == 0:
+                w.add_array("qwen3moe.expert_used_count", k_per_layer) if k_per_layer else w.add_expert_used_count(k)
             w.add_tensor(f"blk.{il}.ffn_gate_inp.weight", rng.standard_normal((n_expert, n_embd), dtype=np.float32))
             for kind, shape in (("gate", (n_expert, n_ff, n_embd)), ("up", (n_expert, n_ff, n_embd)),
                                 ("down", (n_expert, n_embd, n_ff))):
@@ -116,6 +117,14 @@ def test_expert_counts_that_llama_cpp_aborts_on(tmp_path: Path) -> None:
     with pytest.raises(HarnessError, match=r"expert_count is 0 or missing, yet the file has qwen3moe\.expert_used_co"):
         read_model_info(tmp_path / "used.gguf")
     assert read_model_info(_write(tmp_path / "k8.gguf", n_expert=8, k=8)).n_expert_used == 8  # all of them: fine
+
+
+def test_experts_used_per_layer(tmp_path: Path) -> None:
+    """An experts-used count per layer (an array: llama.cpp validates its largest) is read as its largest; before,
+    int() of the list was a traceback."""
+    assert read_model_info(_write(tmp_path / "m.gguf", n_expert=8, k_per_layer=[2, 3])).n_expert_used == 3
+    with pytest.raises(HarnessError, match=r"expert_used_count=9 is more than qwen3moe\.expert_count=8"):
+        read_model_info(_write(tmp_path / "o.gguf", n_expert=8, k_per_layer=[2, 9]))
 
 
 @pytest.mark.parametrize("case", ["dense", "truncated", "small-budget", "text", "used-above-experts", "zero-experts"])
