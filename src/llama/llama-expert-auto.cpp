@@ -37,6 +37,23 @@ std::string llama_expert_auto_plan::spec() const {
     return s;
 }
 
+static uint64_t auto_mib_up(uint64_t bytes) {
+    return (bytes + (1ull << 20) - 1) >> 20 << 20;
+}
+
+uint64_t llama_expert_auto_compute_bytes(const llama_expert_auto_model & m) {
+    if (m.n_ubatch == 0 || m.n_vocab == 0) {
+        return LLAMA_EXPERT_AUTO_RESERVE_UNKNOWN;
+    }
+    const uint64_t per_token = std::max<uint64_t>(4*(m.n_vocab + 2*m.n_embd),
+        16*(uint64_t) std::max(m.k, 0)*m.n_ff_exp + 2ull*m.n_ctx);
+    return auto_mib_up((uint64_t) m.n_ubatch*per_token/4*5);
+}
+
+uint64_t llama_expert_auto_output_bytes(const llama_expert_auto_model & m) {
+    return auto_mib_up(4*m.n_vocab*(uint64_t) m.n_batch);
+}
+
 static llama_expert_auto_plan auto_off(const std::string & why) {
     llama_expert_auto_plan p;
     p.why = why;
@@ -63,12 +80,22 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
             "serves local layers only, so the model runs stock");
     }
 
+    // the compute buffers and the logits: the user's vram_reserve, or what llama.cpp will allocate for this context
+    const bool     reserve_given = reserve > 0;
+    const uint64_t compute       = reserve_given ? reserve : llama_expert_auto_compute_bytes(m);
+    const uint64_t output        = reserve_given ? 0 : llama_expert_auto_output_bytes(m);
+    const std::string reserve_facts = reserve_given ?
+        auto_format("vram_reserve=%s given", auto_mib(reserve).c_str()) : m.n_ubatch == 0 ?
+        auto_format("%.0f MiB for the compute buffers: the context's sizes are unknown", compute/MiB) :
+        auto_format("%.0f MiB for the compute buffers at ubatch %u and %.0f MiB for the logits of a batch of %u",
+            compute/MiB, m.n_ubatch, output/MiB, m.n_batch);
     // what the process holds in RAM with the cache off: every weight in host memory (mmap: its pages), the context,
-    // the compute buffers and the runtime; a GPU holds the rest
+    // the compute buffers, the logits and the runtime; a GPU holds the rest (and its compute buffers)
     const uint64_t host_weights = m.gpu ? (m.weights > m.dev_weights ? m.weights - m.dev_weights : 0) : m.weights;
     const uint64_t host_context = m.gpu ? (m.context > m.dev_context ? m.context - m.dev_context : 0) : m.context;
-    const uint64_t stock_ram    = host_weights + (m.experts_host ? m.experts : 0) + host_context +
-                                  (m.gpu ? 0 : reserve) + LLAMA_EXPERT_RUNTIME_BASELINE;
+    const uint64_t host_reserve = m.gpu ? output : compute + output;
+    const uint64_t stock_ram    = host_weights + (m.experts_host ? m.experts : 0) + host_context + host_reserve +
+                                  LLAMA_EXPERT_RUNTIME_BASELINE;
     const bool     known        = usable != UINT64_MAX;
     const uint64_t room         = known ? usable - auto_margin(usable) : UINT64_MAX;
     const bool     fits_ram     = stock_ram <= room;
@@ -90,11 +117,11 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
 
     if (!m.gpu) {
         if (fits_ram) {
-            return auto_off(auto_format("the model (%.1f MiB with its context, compute reserve and runtime) fits in "
-                "the %s: stock is as fast", stock_ram/MiB, ram_facts.c_str()));
+            return auto_off(auto_format("the model (%.1f MiB with its context, %s, and the runtime) fits in the %s: "
+                "stock is as fast", stock_ram/MiB, reserve_facts.c_str(), ram_facts.c_str()));
         }
-        const std::string what = auto_format("the model (%.1f MiB with its context, compute reserve and runtime) is "
-            "more than the %s, so it", stock_ram/MiB, ram_facts.c_str());
+        const std::string what = auto_format("the model (%.1f MiB with its context, %s, and the runtime) is more "
+            "than the %s, so it", stock_ram/MiB, reserve_facts.c_str(), ram_facts.c_str());
         const std::string refusal = file_tier_refusal(what.c_str());
         if (!refusal.empty()) {
             return auto_error(refusal);
@@ -104,7 +131,7 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         b.budget   = room >> 20 << 20;
         b.weights  = m.weights;
         b.context  = m.context;
-        b.reserve  = reserve;
+        b.reserve  = compute + output;
         b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
         b.baseline = LLAMA_EXPERT_RUNTIME_BASELINE;
         b.per_slot = m.per_slot;
@@ -115,13 +142,17 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         const int32_t n = llama_expert_budget_slots(b, err);
         if (n < 0) {
             return auto_error(auto_format("auto: %s needs the file tier, and even that needs at least %.0f MiB (%d "
-                "experts per layer resident): free memory, raise the memory limit, or lower the context size",
-                what.c_str(), b.minimum()/MiB + 1, m.k));
+                "experts per layer resident): free memory, raise the memory limit, lower the context size, or a "
+                "smaller ubatch and batch (-ub, -b; the compute buffers and logits are vram_reserve=%s)",
+                what.c_str(), b.minimum()/MiB + 1, m.k, auto_mib(compute + output).c_str()));
         }
         llama_expert_auto_plan p;
         p.off   = false;
         p.slots = n;
         p.keys  = { {"mode", "engine"}, {"policy", policy}, {"host", "file"}, {"ram", auto_mib(b.budget)} };
+        if (!reserve_given) {
+            p.keys.emplace_back("vram_reserve", auto_mib(compute + output));
+        }
         p.policy_why = policy_why;
         p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM, the rest read "
             "from the model file; %s", what.c_str(), n, m.n_expert, policy_why.c_str());
@@ -138,7 +169,7 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     v.budget   = (dev_room - auto_margin(dev_room)) >> 20 << 20;
     v.weights  = m.dev_weights;
     v.context  = m.dev_context;
-    v.reserve  = reserve;
+    v.reserve  = compute;
     v.per_slot = m.per_slot;
     v.n_banks  = m.n_banks;
     v.n_expert = m.n_expert;
@@ -154,6 +185,9 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     p.off   = false;
     p.slots = n;
     p.keys  = { {"mode", "engine"}, {"policy", policy}, {"vram", auto_mib(v.budget)} };
+    if (!reserve_given) {
+        p.keys.emplace_back("vram_reserve", auto_mib(compute));
+    }
     p.policy_why = policy_why;
     if (fits_ram) {
         p.why = auto_format("the experts are in host memory (%.1f MiB, which fits in the %s): the VRAM cache, %d of %d "
@@ -169,7 +203,7 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         return auto_error(refusal);
     }
     const uint64_t readers_b = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
-    const uint64_t own = host_weights + host_context + readers_b + LLAMA_EXPERT_RUNTIME_BASELINE;
+    const uint64_t own = host_weights + host_context + host_reserve + readers_b + LLAMA_EXPERT_RUNTIME_BASELINE;
     const int64_t n_ram = room > own ? (int64_t) std::min<uint64_t>((room - own) / m.per_slot, (uint64_t) m.n_expert) : 0;
     if (n_ram < m.k) {
         return auto_error(auto_format("auto: %s needs three tiers, and RAM has room for fewer than the %d experts per "
@@ -248,10 +282,19 @@ std::string llama_expert_auto_user_items(const std::string & rest, const std::ve
 std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const std::string & rest) {
     const std::vector<std::string> user = auto_items(rest);
     if (plan.off) {
+        // the user's mode= runs their keys as given (the cache on where auto would leave it off)
+        if (llama_expert_auto_user_gives(rest, "mode")) {
+            return rest;
+        }
         return rest.empty() ? "mode=off" : "mode=off," + rest;
     }
+    // the user's slots= fixes the residency: the plan's budget keys, which would compute another, give way
+    const bool user_slots = llama_expert_auto_user_gives(rest, "slots");
     std::string s;
     for (const auto & kv : plan.keys) {
+        if (user_slots && (kv.first == "ram" || kv.first == "vram")) {
+            continue;
+        }
         if (!llama_expert_auto_user_gives(rest, kv.first)) {
             s += (s.empty() ? "" : ",") + kv.first + "=" + kv.second;
         }
@@ -289,4 +332,15 @@ void llama_expert_auto_set_policy(llama_expert_auto_plan & plan, const std::stri
         }
     }
     plan.keys = keys;
+}
+
+std::string llama_expert_auto_overridden(const llama_expert_auto_plan & plan, const std::string & rest) {
+    std::string s;
+    for (const auto & kv : plan.keys) {
+        if (llama_expert_auto_user_gives(rest, kv.first) ||
+                (llama_expert_auto_user_gives(rest, "slots") && (kv.first == "ram" || kv.first == "vram"))) {
+            s += (s.empty() ? "" : ",") + kv.first + "=" + kv.second;
+        }
+    }
+    return s;
 }

@@ -34,7 +34,27 @@ struct llama_expert_auto_model {
     uint64_t dev_free    = 0;
     uint64_t dev_weights = 0;
     uint64_t dev_context = 0;
+    // the context's sizes that llama.cpp's compute buffers and logits follow (0: unknown, e.g. a unit test's facts:
+    // the compute estimate is then the fixed LLAMA_EXPERT_AUTO_RESERVE_UNKNOWN)
+    uint32_t n_ctx    = 0;
+    uint32_t n_batch  = 0;   // the most outputs one batch may ask for (the logits buffer)
+    uint32_t n_ubatch = 0;
+    uint64_t n_vocab  = 0;
+    uint64_t n_embd   = 0;
+    uint64_t n_ff_exp = 0;   // one routed expert's hidden size (the largest of any layer)
 };
+
+// the compute reserve auto counts when it knows none of the context's sizes (the spec's default vram_reserve)
+#define LLAMA_EXPERT_AUTO_RESERVE_UNKNOWN (256ull << 20)
+
+// What llama.cpp will allocate for the compute buffers of one ubatch: n_ubatch x max(4 x (n_vocab + 2 n_embd),
+// 16 x k x n_ff_exp + 2 x n_ctx) bytes, the fit measured on the pin (docs/expert-cache-engine.md, "`--moe-cache auto`":
+// 3 models x 2 ubatches x 2 contexts within 1 MiB), times 1.25 for what the fit did not see, rounded up to a MiB.
+uint64_t llama_expert_auto_compute_bytes(const llama_expert_auto_model & m);
+
+// The logits' output buffer, in host memory: 4 x n_vocab x n_batch bytes (a batch may ask for every token's logits,
+// as llama-perplexity does), rounded up to a MiB.
+uint64_t llama_expert_auto_output_bytes(const llama_expert_auto_model & m);
 
 // The plan: the cache off (stock), a spec (its keys in order), or a one-line error; `why` is the one-line reason.
 struct llama_expert_auto_plan {
@@ -49,9 +69,11 @@ struct llama_expert_auto_plan {
     std::string spec() const;
 };
 
-// The decision. usable and facts: llama_expert_machine::usable() and describe(); reserve: vram_reserve (the compute
-// buffers); readers: the file tier's reader threads; policy: the preset to run ("" = quality, or the user's:
-// policy_given; a tuned profile's choice replaces it afterwards: llama_expert_auto_set_policy).
+// The decision. usable and facts: llama_expert_machine::usable() and describe(); reserve: the user's vram_reserve (the
+// compute buffers and, on a CPU machine, the logits), 0 when not given: auto counts llama_expert_auto_compute_bytes and
+// llama_expert_auto_output_bytes then, and writes the sum as the plan's vram_reserve=; readers: the file tier's reader
+// threads; policy: the preset to run ("" = quality, or the user's: policy_given; a tuned profile's choice replaces it
+// afterwards: llama_expert_auto_set_policy).
 llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & m, uint64_t usable,
         const std::string & facts, uint64_t reserve, int32_t readers, const std::string & policy,
         bool policy_given = false);
@@ -69,8 +91,13 @@ bool llama_expert_auto_user_gives(const std::string & rest, const std::string & 
 std::string llama_expert_auto_user_items(const std::string & rest, const std::vector<std::string> & keys);
 
 // The spec to run: the plan's keys, those the user gave in `rest` replaced by the user's values, then the user's
-// other keys. An off plan with user keys stays off ("mode=off," + rest: the parser warns that they have no effect).
+// other keys; the user's slots= replaces the plan's ram=/vram= too (a budget computes the slots). An off plan with
+// user keys stays off ("mode=off," + rest: the parser warns that they have no effect), unless they give mode=: then
+// the user's keys run as given.
 std::string llama_expert_auto_spec(const llama_expert_auto_plan & plan, const std::string & rest);
+
+// The plan's items that the user's keys in `rest` replaced ("tau=0.08,ram=114M"), for the plan line; "" when none.
+std::string llama_expert_auto_overridden(const llama_expert_auto_plan & plan, const std::string & rest);
 
 // The plan with another policy (a tuned profile's: llama-expert-tuned.h): `policy`'s spec keys in place of the plan's
 // policy=... item and `policy_why` in place of the end of `why` that named it; policy "" keeps the plan's keys (only the

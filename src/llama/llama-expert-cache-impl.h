@@ -13,6 +13,7 @@
 #include "llama-expert-engine.h"
 #include "llama-expert-policy.h"
 #include "llama-expert-replay.h"
+#include "llama-cparams.h"
 #include "llama-ext.h"
 #include "llama-hparams.h"
 
@@ -128,7 +129,8 @@ struct llama_expert_cache_impl {
     // read the spec from LLAMA_MOE_CACHE; null when unset or mode=off; throws on a bad spec.
     // memory: the context's memory (KV cache; may be null), whose size a residency budget (vram=) accounts for.
     // The hook in llama_context's constructor.
-    static std::unique_ptr<llama_expert_cache_impl> from_env(const llama_model & model, const llama_memory_i * memory);
+    static std::unique_ptr<llama_expert_cache_impl> from_env(const llama_model & model, const llama_memory_i * memory,
+            const llama_cparams & cparams);
 
     // The hook in llm_graph_context::build_moe_ffn, after the router: builds the route step of layer il
     // (build_route) and rewires the layer's expert computation to it: `selected` becomes the route step's ids

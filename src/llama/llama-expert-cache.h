@@ -8,6 +8,7 @@
 // To add a hook: a method here that forwards to the cache, its call site in a patch (scripts/patches.sh), a line in
 // patches/README.md; upstream files get call sites only (docs/extending.md).
 
+#include "llama-cparams.h" // llama_cparams
 #include "llama-ext.h"     // llama_memory_breakdown
 #include "llama-hparams.h" // llama_expert_gating_func_type
 
@@ -31,9 +32,11 @@ struct llama_expert_cache {
 
     // Call site: llama_context::llama_context, after the memory (KV cache) is created. The cache configured by the
     // LLAMA_MOE_CACHE environment variable; null when it is unset or mode=off. memory: the context's memory (may be
-    // null), whose size a residency budget (vram=, ram=) accounts for. Throws std::runtime_error with a one-line
-    // message on a bad spec or a configuration the model cannot take (the context is then not created).
-    static std::unique_ptr<llama_expert_cache> from_env(const llama_model & model, const llama_memory_i * memory);
+    // null), whose size a residency budget (vram=, ram=) accounts for; cparams: the context's sizes (n_ctx, n_batch,
+    // n_ubatch), from which `--moe-cache auto` estimates the compute buffers and logits. Throws std::runtime_error
+    // with a one-line message on a bad spec or a configuration the model cannot take (the context is then not created).
+    static std::unique_ptr<llama_expert_cache> from_env(const llama_model & model, const llama_memory_i * memory,
+            const llama_cparams & cparams);
 
     // Call site: llm_graph_context::build_moe_ffn, after the router has selected the experts. Builds layer il's
     // route step and rewires the layer's expert computation to it: `selected` becomes the route step's ids (experts

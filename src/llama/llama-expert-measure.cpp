@@ -119,12 +119,17 @@ llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model
     llama_expert_auto_model m;
     m.n_expert = (int32_t) model.hparams.n_expert;
     m.k        = (int32_t) model.hparams.n_expert_used_max();
+    m.n_vocab  = (uint64_t) model.vocab.n_tokens();
+    m.n_embd   = model.hparams.n_embd;
     std::map<ggml_backend_buffer_type_t, bool> dev_bufts; // the buffer types of the GPU that holds the MoE layers
     ggml_backend_dev_t gpu = nullptr;
     for (size_t il = 0; il < model.layers.size(); ++il) {
         const llama_layer & L = model.layers[il];
         if (L.ffn_down_exps == nullptr && L.ffn_gate_up_exps == nullptr) {
             continue;
+        }
+        if (il < model.hparams.n_layer_all) {
+            m.n_ff_exp = std::max<uint64_t>(m.n_ff_exp, model.hparams.n_ff_exp((uint32_t) il));
         }
         ggml_backend_dev_t dev = llama_expert_layer_dev(model, (int) il);
         if (m.remote.empty()) {

@@ -195,7 +195,68 @@ static void test_remote_layers() {
     CHECK(!p.off);
 }
 
+// the compute buffers and logits from the context's sizes (issue 35): the pin's measured fit x 1.25, the logits of a
+// whole batch; the plan writes the sum as vram_reserve= (or the user's), and a refusal names it
+static void test_compute_estimate() {
+    llama_expert_auto_model m;
+    m.n_expert = 512; m.k = 10; m.n_vocab = 2048; m.n_embd = 256; m.n_ff_exp = 128; m.n_ctx = 2048;
+    m.per_slot = 6*3*128*256; m.experts = m.per_slot*512; m.n_banks = 18; m.max_slice = 32768; m.weights = 10*MiB;
+    CHECK(llama_expert_auto_compute_bytes(m) == RESERVE); // sizes unknown: the spec's default
+    m.n_ubatch = 512; m.n_batch = 2048;
+    // per token max(4 x (2048 + 512), 16 x 10 x 128 + 4096) = max(10240, 24576) = 24576; x 512 x 1.25 = 15 MiB
+    CHECK(llama_expert_auto_compute_bytes(m) == 15*MiB);
+    CHECK(llama_expert_auto_output_bytes(m) == 16*MiB);  // 4 x 2048 x 2048
+    m.n_ubatch = 2048;
+    CHECK(llama_expert_auto_compute_bytes(m) == 60*MiB);
+    // a 152k vocabulary: the logits term wins (4 x (151936 + 2 x 2048) x 512 x 1.25)
+    llama_expert_auto_model q = m;
+    q.n_vocab = 151936; q.n_embd = 2048; q.n_ubatch = 512; q.n_ff_exp = 512;
+    CHECK(llama_expert_auto_compute_bytes(q) == (uint64_t) ((4ull*(151936 + 4096)*512/4*5 + MiB - 1) / MiB * MiB));
+
+    // a model (377 MiB with everything) that fits in 450 MiB with its real compute buffers: off, where the fixed 256 MiB refused it
+    m.n_ubatch = 512;
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, 450*MiB, "cg", 0, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "15 MiB for the compute buffers at ubatch 512"));
+    CHECK(has(p.why, "16 MiB for the logits of a batch of 2048"));
+    CHECK(!llama_expert_auto_decide(m, 450*MiB, "cg", RESERVE, 4, "").off); // the old reserve: the file tier
+    // bigger than the limit: the file tier, the estimate written as vram_reserve=
+    p = llama_expert_auto_decide(m, 200*MiB, "cg", 0, 4, "");
+    CHECK(!p.off && p.err.empty() && has(p.spec(), ",vram_reserve=31M") && parses(p.spec()));
+    // the user's vram_reserve= is theirs: not written again, and counted instead of the estimate
+    p = llama_expert_auto_decide(m, 200*MiB, "cg", 16*MiB, 4, "");
+    CHECK(!p.off && !has(p.spec(), "vram_reserve") && has(p.why, "vram_reserve=16M given"));
+    // too small for k slots: the line names the reserve and the flags that shrink it
+    p = llama_expert_auto_decide(m, 40*MiB, "cg", 0, 4, "");
+    CHECK(!p.err.empty() && has(p.err, "vram_reserve=31M") && has(p.err, "-ub"));
+    CHECK(p.err.find('\n') == std::string::npos);
+}
+
+// keys after auto: slots= replaces the plan's budget, mode= runs an off plan's keys, and the plan line names what
+// the user replaced (issue 35, item 4)
+static void test_user_keys() {
+    const llama_expert_auto_model m = big_model();
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(llama_expert_auto_spec(p, "slots=40") == "mode=engine,policy=quality,host=file,slots=40");
+    CHECK(parses(llama_expert_auto_spec(p, "slots=40")));
+    CHECK(llama_expert_auto_overridden(p, "slots=40") == "ram=14745M");
+    CHECK(llama_expert_auto_overridden(p, "policy=speed,stats=s") == "policy=quality");
+    CHECK(llama_expert_auto_overridden(p, "stats=s").empty());
+    // an off plan with the user's mode=: their keys as given, one spec (no "given twice")
+    p = llama_expert_auto_decide(m, 64*GiB, "x", RESERVE, 4, "");
+    CHECK(p.off);
+    CHECK(llama_expert_auto_spec(p, "mode=engine,slots=64") == "mode=engine,slots=64");
+    CHECK(parses(llama_expert_auto_spec(p, "mode=engine,slots=64")));
+    CHECK(llama_expert_auto_spec(p, "stats=s") == "mode=off,stats=s");
+    // slots= with a budget by hand: refused, naming both
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(!llama_expert_cache_config_parse("mode=engine,host=file,ram=1G,slots=40", cfg, err) && has(err, "slots=") &&
+          has(err, "ram="));
+}
+
 int main() {
+    test_compute_estimate();
+    test_user_keys();
     test_remote_layers();
     test_cpu_plans();
     test_tuned_policy();
