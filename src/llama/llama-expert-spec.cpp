@@ -638,6 +638,12 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         err = "ram= and vram= are two budgets for the same banks: give one (vram= where the banks are on a GPU)";
         return false;
     }
+    if ((cfg.ram > 0 || cfg.vram > 0) &&
+            std::any_of(kv.begin(), kv.end(), [](const auto & p) { return p.first == "slots"; })) {
+        err = std::string("slots= and ") + (cfg.ram > 0 ? "ram=" : "vram=") + " both set the residency (a budget "
+            "computes the slots that fit in it): give one";
+        return false;
+    }
     if (cfg.ram > 0 && !cfg.host_file) {
         err = "ram= budgets RAM with the experts left in the model file: it needs host=file";
         return false;
