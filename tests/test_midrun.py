@@ -90,21 +90,27 @@ def test_host_file_truncated_after_load(model_dir: Path, tmp_path: Path, patched
     assert "not mapped from a file" not in out  # the -fit probe
 
 
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    """Truncate and write `data` into the file at `path`, keeping its inode (as `cp` over it does)."""
+    ino = path.stat().st_ino
+    with path.open("r+b") as f:
+        f.truncate(0)
+        f.write(data)
+    assert path.stat().st_ino == ino and path.read_bytes() == data
+
+
 def test_host_file_rewritten_in_place(model_dir: Path, tmp_path: Path, patched_build: Build) -> None:
-    """The model file truncated and written again in place with the very same bytes (as `cp` over it does): the size
-    is the same, the modification time is not; the file tier cannot tell the bytes apart without reading them, so it
-    refuses, as for a truncated file: one line naming the file and its modification times, every request fails, the
-    server keeps running. Before the change the requests are answered."""
+    """Another model of the same shape and size written over the model file in place (the same inode): the size is the
+    same, the modification time and the bytes are not; the file tier refuses, as for a truncated file: one line naming
+    the file and its modification times, every request fails, the server keeps running. Before the change the
+    requests are answered."""
     model = tmp_path / "copy.gguf"
     shutil.copy(model_dir / "a.gguf", model)
-    data = model.read_bytes()
-    ino = model.stat().st_ino
+    other = (model_dir / "b.gguf").read_bytes()
+    assert len(other) == model.stat().st_size and other != model.read_bytes()
     with llama_server(patched_build, model, FILE_TIER, tmp_path / "server.log") as server:
         before = [server.complete(), server.complete()]
-        with model.open("r+b") as f:  # truncate and rewrite: the same inode
-            f.truncate(0)
-            f.write(data)
-        assert model.stat().st_ino == ino and model.read_bytes() == data
+        _rewrite_in_place(model, other)
         first, second = server.complete(), server.complete()
         assert server.proc.poll() is None
         out = _log_with(server, CHANGED)
@@ -113,6 +119,29 @@ def test_host_file_rewritten_in_place(model_dir: Path, tmp_path: Path, patched_b
     lines = [line for line in out.splitlines() if CHANGED in line]
     assert len(lines) == 1 and str(model) in lines[0], out[-3000:]
     assert "(modified " in lines[0] and "size" not in lines[0], lines  # only the modification time changed
+
+
+@pytest.mark.parametrize("how", ["touch", "same bytes"])
+def test_host_file_touched_goes_on(how: str, model_dir: Path, tmp_path: Path, patched_build: Build) -> None:
+    """`touch` of the model file, or its very bytes written again in place (issue 35, item 8: every later request
+    failed while /health said ok): the size and the sampled bytes are unchanged, so the server goes on with one
+    warning naming the file, and its answers stay the model's."""
+    model = tmp_path / "copy.gguf"
+    shutil.copy(model_dir / "a.gguf", model)
+    with llama_server(patched_build, model, FILE_TIER, tmp_path / "server.log") as server:
+        before = server.complete()
+        if how == "touch":
+            st = model.stat()
+            os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+        else:
+            _rewrite_in_place(model, model.read_bytes())
+        after = [server.complete(), server.complete()]
+        assert server.proc.poll() is None
+        out = _log_with(server, "sampled bytes")
+    assert before.startswith("ok: ") and after == [before, before], (before, after)
+    assert CHANGED not in out and "Compute aborted." not in out, out[-3000:]
+    warned = [line for line in out.splitlines() if "sampled bytes" in line]
+    assert len(warned) == 1 and str(model) in warned[0], out[-3000:]
 
 
 def test_host_file_renamed_over(model_dir: Path, tmp_path: Path, patched_build: Build) -> None:

@@ -105,8 +105,27 @@ static std::string format_mtime(int64_t ns) {
     return format("%lld.%09lld", (long long) (ns / 1000000000), (long long) (ns % 1000000000));
 }
 
+uint64_t llama_expert_file_sample_hash(int fd, uint64_t size) {
+    uint64_t h = 1469598103934665603ull; // FNV-1a, over the blocks and their offsets
+    std::vector<char> block(4096);
+    for (uint64_t i = 0; i <= LLAMA_EXPERT_FILE_SAMPLES; ++i) {
+        const uint64_t at  = size <= 4096 ? 0 : (size - 4096) / LLAMA_EXPERT_FILE_SAMPLES * i;
+        const size_t   len = (size_t) std::min<uint64_t>(4096, size);
+        const ssize_t  r   = read_full(fd, block.data(), len, at);
+        if (r != (ssize_t) len) {
+            return 0;
+        }
+        for (size_t j = 0; j < len; ++j) {
+            h = (h ^ (uint8_t) block[j]) * 1099511628211ull;
+        }
+        h = (h ^ at) * 1099511628211ull;
+    }
+    return h == 0 ? 1 : h;
+}
+
 // the descriptor's file against the file as opened: false (the file marked failed, its first failure logged) when its
-// size or modification time changed
+// size or modification time changed; a modification time alone, with the sampled bytes unchanged (a `touch`), is
+// taken as the file's new time with one warning
 static bool file_unchanged(llama_expert_file & f) {
     struct stat st;
     if (fstat(f.fd, &st) != 0) {
@@ -114,17 +133,29 @@ static bool file_unchanged(llama_expert_file & f) {
     }
     const uint64_t size  = (uint64_t) st.st_size;
     const int64_t  mtime = mtime_ns_of(st);
-    if (size == f.size && mtime == f.mtime_ns) {
+    if (size == f.size && mtime == f.mtime_ns.load(std::memory_order_relaxed)) {
         return true;
     }
     std::lock_guard<std::mutex> lock(f.error_mtx);
+    if (size == f.size && mtime == f.mtime_ns.load()) {
+        return true; // another reader took the new time meanwhile
+    }
+    if (!f.failed.load() && size == f.size && f.sample_hash != 0 &&
+            llama_expert_file_sample_hash(f.fd, size) == f.sample_hash) {
+        LLAMA_LOG_WARN("expert cache: host=file: the modification time of %s changed (%s -> %s) and its size and "
+            "sampled bytes (%d blocks) did not: going on (a rewrite in place that keeps the size and those blocks "
+            "would not be seen; load the model again after changing it)\n", f.path.c_str(),
+            format_mtime(f.mtime_ns.load()).c_str(), format_mtime(mtime).c_str(), LLAMA_EXPERT_FILE_SAMPLES + 1);
+        f.mtime_ns = mtime;
+        return true;
+    }
     if (!f.failed.load()) {
         std::string what;
         if (size != f.size) {
             what = format("size %llu -> %llu bytes", (unsigned long long) f.size, (unsigned long long) size);
         }
         if (mtime != f.mtime_ns) {
-            what += (what.empty() ? "" : ", ") + format("modified %s -> %s", format_mtime(f.mtime_ns).c_str(),
+            what += (what.empty() ? "" : ", ") + format("modified %s -> %s", format_mtime(f.mtime_ns.load()).c_str(),
                 format_mtime(mtime).c_str());
         }
         f.error = format("expert cache: host=file: the model file %s changed after loading (%s): it was rewritten or "
@@ -332,6 +363,7 @@ std::unique_ptr<llama_expert_file> llama_expert_file_open(const std::string & pa
     f->mtime_ns = mtime_ns_of(st);
     f->dev      = (uint64_t) st.st_dev;
     f->ino      = (uint64_t) st.st_ino;
+    f->sample_hash = llama_expert_file_sample_hash(f->fd, f->size);
     if (direct != LLAMA_EXPERT_DIRECT_OFF) {
 #ifdef O_DIRECT
         // tests: LLAMA_MOE_CACHE_TEST_DIRECT=refuse-open|refuse-read plays a file system that refuses O_DIRECT

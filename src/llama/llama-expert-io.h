@@ -16,6 +16,12 @@
 // host=file: a model file the banks read from. fd: buffered reads; fd_direct: the same file opened with O_DIRECT
 // (-1 when refused or direct=off); direct: whether reads use fd_direct (cleared, once, when the file system
 // refuses an O_DIRECT read). The counters are summed over the threads that read.
+// the blocks of 4 KiB that a file's sample hash reads (llama_expert_file::sample_hash)
+#define LLAMA_EXPERT_FILE_SAMPLES 64
+
+// the sample hash of the file open at fd, of `size` bytes; 0 when a read fails
+uint64_t llama_expert_file_sample_hash(int fd, uint64_t size);
+
 struct llama_expert_file {
     std::string           path;
     int                   fd        = -1;
@@ -29,7 +35,10 @@ struct llama_expert_file {
     // the file as opened (fstat of fd): a later size or modification time of the descriptor's file means that it was
     // rewritten or truncated in place; another inode at path means it was replaced (renamed over) or removed
     uint64_t              size     = 0;
-    int64_t               mtime_ns = 0;
+    std::atomic<int64_t>  mtime_ns{0};
+    // a hash of LLAMA_EXPERT_FILE_SAMPLES blocks spread over the file, taken when it was opened: a later modification
+    // time with the same size and the same sampled bytes (a `touch`) is not a change (one warning); 0: not taken
+    uint64_t              sample_hash = 0;
     uint64_t              dev      = 0;
     uint64_t              ino      = 0;
     std::atomic<bool>     warned_replaced{false};
