@@ -171,9 +171,13 @@ def test_update_of_a_version_1_baseline_takes_this_runs_tolerance(tmp_path: Path
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    ({"tolerance_pct": float("inf")}, "tolerance_pct is inf, not a finite number of percentage points >= 0"),
-    ({"tolerance_pct": float("nan")}, "tolerance_pct is nan, not a finite"),
-    ({"tolerance_pct": -0.5}, "tolerance_pct is -0.5, not a finite"),
+    ({"tolerance_pct": float("inf")}, "tolerance_pct is inf, not a number of percentage points in [0, 100]"),
+    ({"tolerance_pct": float("nan")}, "tolerance_pct is nan, not a number of percentage points in [0, 100]"),
+    ({"tolerance_pct": -0.5}, "tolerance_pct is -0.5, not a number"),
+    ({"tolerance_pct": 1e308}, "tolerance_pct is 1e+308, not a number of percentage points in [0, 100]"),
+    ({"tolerance_pct": 100.5}, "tolerance_pct is 100.5, not a number"),
+    ({"tolerance_scale": 1e308}, "tolerance_scale is 1e+308, not a number of interval widths in [0, 10]"),
+    ({"tolerance_scale": float("nan")}, "tolerance_scale is nan, not a number of interval widths"),
     ({"full_ppl": float("nan")}, "full_ppl is nan, not a finite perplexity > 0"),
     ({"full_ppl": 0.0}, "full_ppl is 0.0"),
     ({"policies": {"quality": {"delta_pct": float("-inf"), "low": 0, "high": 0}}},
@@ -201,7 +205,7 @@ def test_an_infinite_tolerance_fails_the_gate_instead_of_passing(tmp_path: Path,
     doc = json.loads(opts.baseline.read_text())
     for key in ("delta_pct", "low", "high"):  # the policy is now 50 points worse than the baseline
         doc["policies"]["quality"][key] -= 50
-    for tol in (float("inf"), float("nan"), -1.0):
+    for tol in (float("inf"), float("nan"), -1.0, 1e308, 101.0):  # 1e308 passed the 50-point regression, exit 0
         opts.baseline.write_text(json.dumps({**doc, "tolerance_pct": tol}))
         with pytest.raises(HarnessError, match="damaged baseline: tolerance_pct"):
             check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "o2"}), runner=FakeRunner(),
@@ -216,12 +220,51 @@ def test_an_infinite_tolerance_fails_the_gate_instead_of_passing(tmp_path: Path,
     assert not res.passed and "REGRESSION" in next(ln for ln in res.lines if ln.policy == "quality").message
 
 
-@pytest.mark.parametrize("tol", [float("inf"), float("nan"), -0.1])
+@pytest.mark.parametrize("tol", [float("inf"), float("nan"), -0.1, 1e308, 100.01])
 def test_update_refuses_a_tolerance_that_cannot_gate(tmp_path: Path, synth_models: dict[str, Path],
                                                      tol: float) -> None:
     opts = _setup(tmp_path, synth_models["qwen3moe"])
     runner = FakeRunner()
-    with pytest.raises(HarnessError, match=r"--tolerance .* is not a finite number of percentage points >= 0"):
+    with pytest.raises(HarnessError, match=r"--tolerance .* is not a number of percentage points in \[0, 100\]$"):
         check(CheckOptions(**{**opts.__dict__, "update": True, "tolerance_pct": tol}), runner=runner,
               env=FakeEnv(tmp_path), root=tmp_path)
     assert runner.calls == [] and not opts.baseline.exists()
+
+
+def test_the_largest_tolerance_is_taken(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    """100 points is the bound itself: a baseline with it gates (the same run passes)."""
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    up = check(CheckOptions(**{**opts.__dict__, "update": True, "tolerance_pct": 100.0}), runner=FakeRunner(),
+               env=FakeEnv(tmp_path), root=tmp_path)
+    assert up.passed and read_baseline(opts.baseline).tolerance_pct == 100.0
+
+
+def test_report_md_is_the_gates(tmp_path: Path, synth_models: dict[str, Path]) -> None:
+    """Before, report.md was the comparison's: titled "harness compare", a plan of stock and patched speed runs on a
+    device budget that check never ran, and no verdict. Now it is the gate's: its title, what ran, the rule with the
+    baseline's tolerances, and PASS/FAIL per gate and overall."""
+    opts = _setup(tmp_path, synth_models["qwen3moe"])
+    check(CheckOptions(**{**opts.__dict__, "update": True}), runner=FakeRunner(), env=FakeEnv(tmp_path),
+          root=tmp_path)
+
+    class Worse(FakeRunner):
+        SHIFT = {**FakeRunner.SHIFT, "speed": 0.06}
+
+    res = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "bad"}), runner=Worse(), env=FakeEnv(tmp_path),
+                root=tmp_path)
+    assert not res.passed
+    md = (tmp_path / "bad" / "report.md").read_text()
+    assert md.startswith("# harness check\n\n**FAIL**: 1 of 3 gates failed (speed)\n"), md[:200]
+    assert "harness compare" not in md and "## Budget" not in md and "--n-cpu-moe" not in md
+    assert "Perplexity only (no speed runs, no device budget)" in md
+    assert "stock llama.cpp and 2 policies (quality, speed) in emulate mode" in md
+    assert "widened on each side by 0.5 x its width + 0.5 points" in md
+    gates = md.split("## Gates")[1].split("## Quality")[0]
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")[1] for r in gates.splitlines() if r.startswith("| ")}
+    assert (rows["full"], rows["quality"], rows["speed"]) == ("PASS", "PASS", "FAIL")
+    speed = next(ln for ln in res.lines if ln.policy == "speed")
+    assert speed.band is not None and speed.delta_pct is not None and speed.delta_pct > speed.band[1]
+    good = check(CheckOptions(**{**opts.__dict__, "out": tmp_path / "good"}), runner=FakeRunner(),
+                 env=FakeEnv(tmp_path), root=tmp_path)
+    assert good.passed
+    assert (tmp_path / "good" / "report.md").read_text().startswith("# harness check\n\n**PASS**: all 3 gates passed")

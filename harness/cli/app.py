@@ -414,7 +414,7 @@ def _add_check_and_report(sub: argparse._SubParsersAction[argparse.ArgumentParse
     k.add_argument("--update", action="store_true", help="run and (re)write the baseline")
     k.add_argument("--tolerance", type=float, default=0.05, help="floor of the band, in percentage points: a "
                    "policy's delta PPL must stay within the baseline's 95%% CI widened by half its width + this, "
-                   "in either direction (written into a new baseline; default: %(default)s)")
+                   "in either direction (0 to 100; written into a new baseline; default: %(default)s)")
     options.add_policies(k, "policies of a new baseline")
     options.add_model(k, "model (default: the baseline's, else the trained model)")
     options.add_text(k, "text (default: the baseline's, else eval/data/heldout.txt)")

@@ -1,4 +1,4 @@
-"""What the commands produce and the report layer renders: frozen results of compare, sweep, topics, study,
+"""What the commands produce and the report layer renders: frozen results of compare, check, sweep, topics, study,
 simulate and doctor. Computed in harness.orchestration; every +/- says what it is."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from harness.domain.finding import Verdict
 from harness.domain.options import CompareOptions, FrontierOptions, StudyOptions, SweepOptions, TopicOptions
 from harness.domain.plan import ComparePlan, SweepPoint
+from harness.parsers.baseline import Baseline
 from harness.parsers.cache_stats import CacheStats
 from harness.stats.intervals import Correlation, DeltaPPL, MeanCI, RatioCI
 
@@ -91,6 +92,37 @@ class CompareResult:
     warnings: tuple[str, ...] = field(default_factory=tuple)
     estimates: tuple[EstimateRow, ...] = ()
     estimate_profile: str = ""
+
+
+# ---- check ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateLine:
+    """One check of `harness check`: the full model's PPL, or a policy's delta PPL and substitution figures."""
+
+    policy: str
+    ok: bool
+    message: str
+    baseline_pct: float | None = None
+    delta_pct: float | None = None
+    low: float | None = None
+    high: float | None = None
+    band: tuple[float, float] | None = None  # the delta PPL% range that passes (harness.orchestration.check.band)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """`harness check`: the gates against `baseline` (with --update: the baseline written from this run), over the
+    quality-only comparison it ran."""
+
+    lines: tuple[GateLine, ...]
+    passed: bool
+    updated: bool
+    baseline_path: Path
+    compare: CompareResult
+    baseline: Baseline
+    rule: str = ""  # the gate's rule in words, with the baseline's tolerances (harness.orchestration.check.rule_text)
 
 
 # ---- sweep ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ substituted gate mass are checked as well: each must stay within SUBST_RTOL of t
 The runs are deterministic on one build and CPU (emulate mode, the same tokens), so a change of the code or
 the model moves these numbers and nothing else does. The full model's PPL must also be the baseline's (else
 the model, text or build changed and the baseline means nothing). `--update` (re)writes the baseline from
-this run.
+this run. report.md in the results folder is the gate's: what ran, the rule, and PASS or FAIL per gate.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from harness.core.files import refuse_special
 from harness.core.records import prepare_out_dir
 from harness.domain.catalogue import DEFAULT_POLICIES, FULL
 from harness.domain.options import CompareOptions
-from harness.domain.results import CompareResult, QualityRow
+from harness.domain.results import CheckResult, CompareResult, GateLine, QualityRow
 from harness.domain.settings import PerplexitySettings
 from harness.orchestration.compare import compare
 from harness.orchestration.executor import Environment, Progress, no_progress
 from harness.parsers.baseline import SCHEMA_VERSION, Baseline, read_baseline, tolerance_problem
+from harness.report.markdown import render_check_markdown
 from harness.tools.requests import Runner
 
 # The full model runs the stock graph: its PPL is reproducible on one build and CPU. Across CPUs the native
@@ -70,17 +71,6 @@ def baseline_from(result: CompareResult, tolerance_pct: float, root: Path) -> Ba
     return Baseline(rel(o.model), rel(o.text), o.n_ctx, o.chunks, tolerance_pct, full, policies)
 
 
-@dataclass(frozen=True)
-class GateLine:
-    policy: str
-    ok: bool
-    message: str
-    baseline_pct: float | None = None
-    delta_pct: float | None = None
-    low: float | None = None
-    high: float | None = None
-
-
 def gate(baseline: Baseline, result: CompareResult) -> tuple[GateLine, ...]:
     """Pure: one line per check, ok or not."""
     lines: list[GateLine] = []
@@ -113,7 +103,7 @@ def gate(baseline: Baseline, result: CompareResult) -> tuple[GateLine, ...]:
         verdict = "ok" if ok else "REGRESSION: " + "; ".join(problems)
         lines.append(GateLine(name, ok, f"{verdict}: delta {d.delta_pct:+.3f}% [95% CI {d.low:+.3f}, {d.high:+.3f}] "
                               f"vs baseline {b['delta_pct']:+.3f}% [{b['low']:+.3f}, {b['high']:+.3f}]",
-                              b["delta_pct"], d.delta_pct, d.low, d.high))
+                              b["delta_pct"], d.delta_pct, d.low, d.high, (lo, hi)))
     return tuple(lines)
 
 
@@ -123,6 +113,18 @@ def band(baseline: Baseline, b: Mapping[str, float]) -> tuple[float, float]:
     low, high = min(b["low"], b["delta_pct"]), max(b["high"], b["delta_pct"])
     widen = baseline.tolerance_scale * (high - low) + baseline.tolerance_pct
     return low - widen, high + widen
+
+
+def rule_text(baseline: Baseline) -> str:
+    """Pure: what `gate` checks, in words, with this baseline's tolerances (report.md says it)."""
+    subst = (f"; its substitution rate and substituted gate mass must stay within {SUBST_RTOL:.0%} (+ {SUBST_ATOL:g}) "
+             "of the baseline's" if baseline.schema_version >= 2 else
+             " (a version-1 baseline: no substitution figures to check)")
+    return (f"The full model's PPL must be the baseline's (relative tolerance {FULL_PPL_RTOL:g}: else the model, "
+            "text or build changed). A policy passes when its paired delta PPL% lies within the baseline's 95% "
+            f"interval widened on each side by {baseline.tolerance_scale:g} x its width + "
+            f"{baseline.tolerance_pct:g} points, in either direction (better is a regression too: a preset that "
+            f"stopped substituting looks like one){subst}.")
 
 
 def substitution_problems(b: Mapping[str, float], q: QualityRow) -> list[str]:
@@ -155,15 +157,6 @@ class CheckOptions(PerplexitySettings):
     argv: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    lines: tuple[GateLine, ...]
-    passed: bool
-    updated: bool
-    baseline_path: Path
-    compare: CompareResult
-
-
 def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
           env: Environment | None = None, root: Path | None = None) -> CheckResult:
     root = root or project.project_root()
@@ -194,7 +187,13 @@ def check(opts: CheckOptions, progress: Progress = no_progress, *, runner: Runne
         opts.baseline.parent.mkdir(parents=True, exist_ok=True)
         opts.baseline.write_text(json.dumps(new.to_json(), indent=1) + "\n")
         lines = gate(new, result)
-        return CheckResult(lines, all(x.ok for x in lines), True, opts.baseline, result)
-    assert base is not None
-    lines = gate(base, result)
-    return CheckResult(lines, all(x.ok for x in lines) and not result.interrupted, False, opts.baseline, result)
+        res = CheckResult(lines, all(x.ok for x in lines), True, opts.baseline, result, new, rule_text(new))
+    else:
+        assert base is not None
+        lines = gate(base, result)
+        res = CheckResult(lines, all(x.ok for x in lines) and not result.interrupted, False, opts.baseline, result,
+                          base, rule_text(base))
+    # the comparison wrote its own report.md (a compare's, with a plan of speed runs that check never makes): this
+    # run's is the gate's
+    (opts.out / "report.md").write_text(render_check_markdown(res))
+    return res

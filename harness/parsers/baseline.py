@@ -10,8 +10,10 @@ Version 1 files (one-sided gate, no substitution figures) are read with `toleran
 `tolerance_pct` as the floor; their substitution checks are skipped with a note.
 
 Python's json reads `Infinity` and `NaN`: a tolerance that is not a finite number >= 0 would pass anything
-(Infinity) or fail everything as a regression (NaN, negative), and a non-finite figure of the full model or a
-policy means nothing, so each is a damaged baseline."""
+(Infinity) or fail everything as a regression (NaN, negative), and so would an absurdly large one (1e308 passed a
+-50% regression): `tolerance_pct` must lie in [0, MAX_TOLERANCE_PCT] points, `tolerance_scale` in [0,
+MAX_TOLERANCE_SCALE]. A non-finite figure of the full model or a policy means nothing. Each is a damaged
+baseline."""
 
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ SCHEMA = "moe-subst/ppl-baseline"
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DEFAULT_TOLERANCE_SCALE = 0.5
+# the largest tolerances a gate takes: a band wider than 100 points of delta PPL, or 10 interval widths on each
+# side, passes any regression a policy can show (1e308 disarmed the gate: a -50% regression passed)
+MAX_TOLERANCE_PCT = 100.0
+MAX_TOLERANCE_SCALE = 10.0
 
 
 @dataclass(frozen=True)
@@ -74,11 +80,11 @@ def read_baseline(path: Path) -> Baseline:
     return base
 
 
-def tolerance_problem(tolerance_pct: float) -> str:
-    """Why a tolerance cannot gate anything ('' if it can): it must be a finite number of points >= 0 (Infinity
-    would pass any regression, NaN or a negative one fail every policy)."""
-    if not math.isfinite(tolerance_pct) or tolerance_pct < 0:
-        return "not a finite number of percentage points >= 0"
+def tolerance_problem(tolerance: float, limit: float = MAX_TOLERANCE_PCT, unit: str = "percentage points") -> str:
+    """Why a tolerance cannot gate anything ('' if it can): it must be a finite number of `unit` in [0, limit]
+    (Infinity, or 1e308, would pass any regression; NaN or a negative one fail every policy)."""
+    if not math.isfinite(tolerance) or tolerance < 0 or tolerance > limit:
+        return f"not a number of {unit} in [0, {limit:g}]"
     return ""
 
 
@@ -87,8 +93,8 @@ def baseline_problem(base: Baseline) -> str:
     PPL (finite, > 0) and every policy's figures (finite)."""
     if problem := tolerance_problem(base.tolerance_pct):
         return f"tolerance_pct is {base.tolerance_pct!r}, {problem}"
-    if problem := tolerance_problem(base.tolerance_scale):
-        return f"tolerance_scale is {base.tolerance_scale!r}, {problem.replace('of percentage points ', '')}"
+    if problem := tolerance_problem(base.tolerance_scale, MAX_TOLERANCE_SCALE, "interval widths"):
+        return f"tolerance_scale is {base.tolerance_scale!r}, {problem}"
     if not (math.isfinite(base.full_ppl) and base.full_ppl > 0):
         return f"full_ppl is {base.full_ppl!r}, not a finite perplexity > 0"
     for name, figures in base.policies.items():

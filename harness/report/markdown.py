@@ -1,13 +1,20 @@
-"""Markdown renderers for the report.md of compare, sweep, topics and study: pure functions of a result
+"""Markdown renderers for the report.md of compare, check, sweep, topics and study: pure functions of a result
 returning text. Every +/- says what it is."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.domain.catalogue import FRONTIER_FAMILIES
+from harness.domain.catalogue import FRONTIER_FAMILIES, FULL, STOCK
 from harness.domain.costmodel import load_profile
-from harness.domain.results import CompareResult, FrontierResult, StudyResult, SweepResult, TopicResult
+from harness.domain.results import (
+    CheckResult,
+    CompareResult,
+    FrontierResult,
+    StudyResult,
+    SweepResult,
+    TopicResult,
+)
 from harness.domain.verdicts import DomainRow, MatchedResult
 from harness.report.tables import (
     FRONTIER_HEADER,
@@ -74,6 +81,54 @@ def render_compare_markdown(result: CompareResult) -> str:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
     lines += ["## Provenance", "", f"Raw records (JSON Lines, schema with provenance and samples): "
               f"`{result.results_path}`; command: `{' '.join(o.argv) or 'harness compare'}`.", ""]
+    return "\n".join(lines)
+
+
+# ---- check ------------------------------------------------------------------------------------------------
+
+
+def check_verdict(result: CheckResult) -> str:
+    """PASS, or FAIL with the gates that failed (and an interrupted run)."""
+    failed = [ln.policy for ln in result.lines if not ln.ok]
+    if result.passed:
+        return f"**PASS**: all {len(result.lines)} gates passed"
+    why = [f"{len(failed)} of {len(result.lines)} gates failed ({', '.join(failed)})"] if failed else []
+    if result.compare.interrupted:
+        why.append("the run was interrupted")
+    return "**FAIL**: " + "; ".join(why)
+
+
+def render_check_markdown(result: CheckResult) -> str:
+    """`harness check`'s report.md: the verdict, what ran, the rule, PASS/FAIL per gate, the quality table."""
+    c, b = result.compare, result.baseline
+    o = c.options
+    policies = [q.config for q in c.quality if q.config not in (FULL, STOCK)]
+    refs = ["the full model (patched build, cache off)"] + (
+        ["stock llama.cpp"] if any(q.config == STOCK for q in c.quality) else [])
+    chunks = f"{o.chunks} chunks" if o.chunks else "all chunks"
+    action = (f"Baseline written from this run to `{shown(result.baseline_path)}`, then gated against."
+              if result.updated else f"Baseline `{shown(result.baseline_path)}` (schema version {b.schema_version}).")
+    lines = ["# harness check", "", check_verdict(result), "",
+             "## What ran", "",
+             f"Perplexity only (no speed runs, no device budget): {', '.join(refs)} and {len(policies)} policies "
+             f"({', '.join(policies) or 'none'}) in emulate mode on the same tokens. Model "
+             f"`{shown(o.model)}`, text `{shown(o.text)}`, context {o.n_ctx}, {chunks}. {action} Delta PPL is paired "
+             f"against the full model, with a 95% CI from a block bootstrap over chunks ({o.n_boot} replicates, seed "
+             f"{o.seed}).", "",
+             "## Gates", "", result.rule, ""]
+    rows = []
+    for ln in result.lines:
+        band = f"[{ln.band[0]:+.3f}, {ln.band[1]:+.3f}]" if ln.band is not None else "-"
+        rows.append([ln.policy, "PASS" if ln.ok else "FAIL", band, ln.message])
+    lines += [md_table(["gate", "verdict", "band (delta PPL %)", "detail"], rows), ""]
+    if c.quality:
+        lines += ["## Quality", "", "PPL ± one standard error (as llama-perplexity prints it).", "",
+                  md_table(["configuration", "PPL ± SE", "delta PPL [95% CI]", "substituted", "mass",
+                            "fetches/token"], [list(quality_cells(q)) for q in c.quality]), ""]
+    if c.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in c.warnings] + [""]
+    lines += ["## Provenance", "", f"Raw records (JSON Lines, schema with provenance and samples): "
+              f"`{shown(c.results_path)}`; command: `{' '.join(o.argv) or 'harness check'}`.", ""]
     return "\n".join(lines)
 
 
