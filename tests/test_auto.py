@@ -123,11 +123,15 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
                       {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"}, "--load-mode", "none")
     lines = [ln for ln in out.splitlines() if "auto: the model" in ln]
     assert rc != 0 and len(lines) == 1 and "load it with mmap" in lines[0], out[-3000:]
-    # a limit too small for even k slots: one line saying what is needed
+    # a limit too small for even k slots: stock, as stock would run (issue 35: it was refused), one line saying what
+    # is needed; the output is stock's
     env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "tiny", 40 * MiB))}
-    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "auto"})
-    lines = [ln for ln in out.splitlines() if "auto: the model" in ln]
-    assert rc != 0 and len(lines) == 1 and "even that needs at least" in lines[0], out[-3000:]
+    rc, out, tiny_logits = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "auto"})
+    lines = [ln for ln in out.splitlines() if "auto: off: the model" in ln]
+    assert rc == 0 and len(lines) == 1 and "even that needs at least" in lines[0], out[-3000:]
+    assert "runs stock" in lines[0] and "-ub" in lines[0]
+    rc, out, stock_logits = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "mode=off"})
+    assert rc == 0 and tiny_logits == stock_logits
 
 
 @pytest.mark.build

@@ -141,9 +141,13 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         std::string err;
         const int32_t n = llama_expert_budget_slots(b, err);
         if (n < 0) {
-            return auto_error(auto_format("auto: %s needs the file tier, and even that needs at least %.0f MiB (%d "
-                "experts per layer resident): free memory, raise the memory limit, lower the context size, or a "
-                "smaller ubatch and batch (-ub, -b; the compute buffers and logits are vram_reserve=%s)",
+            // not even k slots fit: the cache cannot help, and stock, whose weights stay in the (reclaimable) page
+            // cache, may still run where this estimate of the compute buffers and logits is above what the tool
+            // uses (a batch that asks for fewer logits): run stock, saying so, never refuse what stock would run
+            return auto_off(auto_format("%s would need the file tier, and even that needs at least %.0f MiB (%d "
+                "experts per layer resident): the cache cannot fit, so the model runs stock, from the page cache (slow "
+                "when it does not fit, and killed if the compute buffers do not: free memory, raise the memory limit, "
+                "or a smaller ubatch and batch, -ub and -b; the compute buffers and logits are vram_reserve=%s here)",
                 what.c_str(), b.minimum()/MiB + 1, m.k, auto_mib(compute + output).c_str()));
         }
         llama_expert_auto_plan p;

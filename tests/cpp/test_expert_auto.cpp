@@ -69,11 +69,11 @@ static void test_cpu_plans() {
     CHECK(llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "").spec() ==
           llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "").spec());
 
-    // a tiny limit: one line saying what is needed
+    // a tiny limit: stock (never refused where stock may run from the page cache), the line saying what is needed
     p = llama_expert_auto_decide(m, 2*GiB, "the memory cgroup /tiny", RESERVE, 4, "");
-    CHECK(p.off && !p.err.empty() && p.err.find("auto: the model") == 0);
-    CHECK(has(p.err, "even that needs at least") && has(p.err, "free memory, raise the memory limit"));
-    CHECK(p.err.find('\n') == std::string::npos);
+    CHECK(p.off && p.err.empty() && p.why.find("the model") == 0 && has(p.why, "runs stock"));
+    CHECK(has(p.why, "even that needs at least") && has(p.why, "free memory, raise the memory limit"));
+    CHECK(p.why.find('\n') == std::string::npos);
 
     // repacked experts, or no mmap: the file tier cannot run; one line naming the flag
     llama_expert_auto_model r = m;
@@ -225,10 +225,9 @@ static void test_compute_estimate() {
     // the user's vram_reserve= is theirs: not written again, and counted instead of the estimate
     p = llama_expert_auto_decide(m, 200*MiB, "cg", 16*MiB, 4, "");
     CHECK(!p.off && !has(p.spec(), "vram_reserve") && has(p.why, "vram_reserve=16M given"));
-    // too small for k slots: the line names the reserve and the flags that shrink it
+    // too small for k slots: stock, the line naming the reserve and the flags that shrink it
     p = llama_expert_auto_decide(m, 40*MiB, "cg", 0, 4, "");
-    CHECK(!p.err.empty() && has(p.err, "vram_reserve=31M") && has(p.err, "-ub"));
-    CHECK(p.err.find('\n') == std::string::npos);
+    CHECK(p.off && p.err.empty() && has(p.why, "vram_reserve=31M") && has(p.why, "-ub") && has(p.why, "runs stock"));
 }
 
 // keys after auto: slots= replaces the plan's budget, mode= runs an off plan's keys, and the plan line names what
