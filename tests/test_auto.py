@@ -86,13 +86,13 @@ def test_a_model_that_fits_stays_off(patched_build: Build, synth_text_file: Path
 @pytest.mark.build
 def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, synth_text_file: Path,
                                                           tmp_path: Path) -> None:
-    """96 MiB of experts under a (fake) 150 MiB memory cgroup: the file tier, ram= the limit less 10%, the plan's
+    """96 MiB of experts under a (fake) 130 MiB memory cgroup (139 MiB with everything): the file tier, ram= the limit less 10%, the plan's
     slots; the spec it names, given by hand, takes the same decisions; the user's keys after auto win."""
     from harness.parsers.cache_plan import parse_cache_plan
 
     model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
                               tmp_path / "m.gguf")
-    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 150 * MiB))}
+    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 130 * MiB))}
     stats = tmp_path / "auto.json"
     rc, out, auto_logits = _run(patched_build, model, synth_text_file, tmp_path,
                                 {**env, "LLAMA_MOE_CACHE": f"auto,vram_reserve=16M,stats={stats}"})
@@ -100,8 +100,8 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
     line = _auto_line(out)
     m = re.match(r"(mode=engine,policy=quality,host=file,ram=(\d+)M,vram_reserve=16M),stats=\S+: the model \(", line)
     assert m, line
-    assert int(m[2]) == (150 * MiB - 150 * MiB // 100 * 10) >> 20  # the limit less the 10% margin, in whole MiB
-    assert "the memory cgroup /job (v2, limit 150.0 MiB" in line and "runs from the file tier" in line, line
+    assert int(m[2]) == (130 * MiB - 130 * MiB // 100 * 10) >> 20  # the limit less the 10% margin, in whole MiB
+    assert "the memory cgroup /job (v2, limit 130.0 MiB" in line and "runs from the file tier" in line, line
     assert "policy quality (no tuned profile)" in line
     slots = int(re.search(r"file tier: (\d+) of 32 experts per layer", line)[1])  # type: ignore[index]
     plan = parse_cache_plan(out)

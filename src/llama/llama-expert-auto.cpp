@@ -95,12 +95,15 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     const uint64_t host_context = m.gpu ? (m.context > m.dev_context ? m.context - m.dev_context : 0) : m.context;
     const uint64_t host_reserve = m.gpu ? output : compute + output;
     const uint64_t stock_ram    = host_weights + (m.experts_host ? m.experts : 0) + host_context + host_reserve +
-                                  LLAMA_EXPERT_RUNTIME_BASELINE;
+                                  LLAMA_EXPERT_AUTO_STOCK_BASELINE;
     const bool     known        = usable != UINT64_MAX;
     const uint64_t room         = known ? usable - auto_margin(usable) : UINT64_MAX;
-    const bool     fits_ram     = stock_ram <= room;
-    const std::string ram_facts = known ? auto_format("%.1f MiB this process may use less a %d%% margin (%s)",
-        room/MiB, LLAMA_EXPERT_AUTO_MARGIN_PCT, facts.c_str()) : "no memory facts (" + facts + ")";
+    // stock fits in all the process may use: its weights are page cache, which degrades gradually when squeezed
+    // (studymoe, 94 MiB with everything, decoded at full speed in a 96 MiB cgroup, where the file tier ran at 0.6x);
+    // the margin is the file tier's, for the page cache it reads through
+    const bool     fits_ram     = !known || stock_ram <= usable;
+    const std::string ram_facts = known ? auto_format("%.1f MiB this process may use (%s)", usable/MiB,
+        facts.c_str()) : "no memory facts (" + facts + ")";
 
     // the file tier's requirements: the experts read from the model file, in their plain layout
     auto file_tier_refusal = [&](const char * what) -> std::string {
@@ -158,8 +161,9 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
             p.keys.emplace_back("vram_reserve", auto_mib(compute + output));
         }
         p.policy_why = policy_why;
-        p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM, the rest read "
-            "from the model file; %s", what.c_str(), n, m.n_expert, policy_why.c_str());
+        p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM (ram= that less "
+            "a %d%% margin), the rest read from the model file; %s", what.c_str(), n, m.n_expert,
+            LLAMA_EXPERT_AUTO_MARGIN_PCT, policy_why.c_str());
         return p;
     }
 

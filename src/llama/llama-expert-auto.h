@@ -44,6 +44,12 @@ struct llama_expert_auto_model {
     uint64_t n_ff_exp = 0;   // one routed expert's hidden size (the largest of any layer)
 };
 
+// what auto counts for the runtime when it asks whether stock fits: the measured peak RSS of the pinned CPU build's
+// tools beside a 1 MiB model (21 MiB llama-perplexity, 24 MiB an idle llama-server; docs/expert-cache-engine.md, "What
+// the process may use"), without the budget's doubling (LLAMA_EXPERT_RUNTIME_BASELINE, which stands in for the margin
+// that a ram= budget by hand does not leave): stock's weights are page cache, so a squeeze slows it gradually
+#define LLAMA_EXPERT_AUTO_STOCK_BASELINE (24ull << 20)
+
 // the compute reserve auto counts when it knows none of the context's sizes (the spec's default vram_reserve)
 #define LLAMA_EXPERT_AUTO_RESERVE_UNKNOWN (256ull << 20)
 
