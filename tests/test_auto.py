@@ -86,8 +86,9 @@ def test_a_model_that_fits_stays_off(patched_build: Build, synth_text_file: Path
 @pytest.mark.build
 def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, synth_text_file: Path,
                                                           tmp_path: Path) -> None:
-    """96 MiB of experts under a (fake) 130 MiB memory cgroup (139 MiB with everything): the file tier, ram= the limit less 10%, the plan's
-    slots; the spec it names, given by hand, takes the same decisions; the user's keys after auto win."""
+    """96 MiB of experts under a (fake) 130 MiB memory cgroup (139 MiB with everything): the file tier, ram= the limit
+    less 10%, the plan's slots; the spec it names, given by hand, takes the same decisions; the user's keys after auto
+    win."""
     from harness.parsers.cache_plan import parse_cache_plan
 
     model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
@@ -130,7 +131,8 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
     lines = [ln for ln in out.splitlines() if "auto: off: the model" in ln]
     assert rc == 0 and len(lines) == 1 and "even that needs at least" in lines[0], out[-3000:]
     assert "runs stock" in lines[0] and "-ub" in lines[0]
-    rc, out, stock_logits = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "mode=off"})
+    rc, out, stock_logits = _run(patched_build, model, synth_text_file, tmp_path,
+                                 {**env, "LLAMA_MOE_CACHE": "mode=off"})
     assert rc == 0 and tiny_logits == stock_logits
 
 
