@@ -263,8 +263,10 @@ def test_a_profile_of_another_model_is_refused() -> None:
 
 
 def test_profile_locations_and_the_choice_auto_takes(tmp_path: Path) -> None:
-    beside, cached = profile_locations(Path("/models/q.gguf"), Path("/c"))
-    assert beside == Path("/models/q.gguf.moe-tune.json") and cached == Path("/c/tune/q.gguf.moe-tune.json")
+    beside, keyed, legacy = profile_locations(Path("/models/q.gguf"), Path("/c"), "00000000deadbeef")
+    assert beside == Path("/models/q.gguf.moe-tune.json")
+    assert keyed == Path("/c/tune/q.gguf.00000000deadbeef.moe-tune.json")
+    assert legacy == Path("/c/tune/q.gguf.moe-tune.json")
     home = Path("/home/u")
     assert tune_cache_dir({}, home) == Path("/home/u/.cache/moe-subst")
     assert tune_cache_dir({"XDG_CACHE_HOME": "/x"}, home) == Path("/x/moe-subst")
@@ -276,13 +278,17 @@ def test_profile_locations_and_the_choice_auto_takes(tmp_path: Path) -> None:
     assert tuned_policy(_profile(), 4)[0] == "rule=zero,tau=0.2,evict=lfu,admit=off"
     pol, why = tuned_policy(_profile(), 1, "p.json")
     assert pol == "" and "more than the 1 slots planned" in why
-    # read_profile_for: beside the model first, then the cache folder; another model's is refused
+    # read_profile_for: beside the model first, then the cache folder (keyed, then name-only); another model's is
+    # refused
     model = tmp_path / "m.gguf"
     assert read_profile_for(model, IDENTITY, tmp_path / "cache") is None
     (tmp_path / "cache" / "tune").mkdir(parents=True)
-    (tmp_path / "cache" / "tune" / "m.gguf.moe-tune.json").write_text(profile_to_json(_profile()))
+    (tmp_path / "cache" / "tune" / "m.gguf.moe-tune.json").write_text(profile_to_json(_profile(bound_pct=0.25)))
     got = read_profile_for(model, IDENTITY, tmp_path / "cache")
-    assert got is not None and got[1].parent.name == "tune"
+    assert got is not None and got[1].name == "m.gguf.moe-tune.json" and got[0].bound_pct == 0.25
+    (tmp_path / "cache" / "tune" / "m.gguf.00000000deadbeef.moe-tune.json").write_text(profile_to_json(_profile()))
+    got = read_profile_for(model, IDENTITY, tmp_path / "cache")
+    assert got is not None and got[1].name == "m.gguf.00000000deadbeef.moe-tune.json" and got[0].bound_pct == 1.0
     (tmp_path / "m.gguf.moe-tune.json").write_text(profile_to_json(_profile(bound_pct=0.5)))
     got = read_profile_for(model, IDENTITY, tmp_path / "cache")
     assert got is not None and got[0].bound_pct == 0.5 and got[1].parent == tmp_path
@@ -374,34 +380,55 @@ class TuneSimFake:
 
 
 class FakeTuneEnv(FakeEnv, TuneEnvironment):
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, fingerprint: int = 0xDEADBEEF, writable: bool = True,
+                 cache: Path | None = None) -> None:
         FakeEnv.__init__(self, tmp)
-        self.cache = tmp / "cache"
+        self.cache = cache or tmp / "cache"
+        self._fingerprint, self._writable = fingerprint, writable
 
     def machine(self, model: Path, readers: int, disk: bool) -> MachineFacts:
         return replace(FACTS, compute_ms_per_token=None, disk_readers=readers if disk else 0)
 
     def fingerprint(self, model: Path) -> int:
-        return 0xDEADBEEF
+        return self._fingerprint
 
     def cache_dir(self) -> Path:
         return self.cache
+
+    def writable(self, folder: Path) -> bool:
+        return self._writable and super().writable(folder)
 
 
 # the grid the fakes' expectations were written for (the default's taus before 0.065, 0.08 and zero 0.05 came in)
 OLD_GRID = TuneGrid(taus=(0.05, 0.1, 0.15, 0.25, 0.4), zero_taus=(0.1, 0.2, 0.3))
 
 
-def _fake_run(tmp_path: Path, **kw: Any) -> tuple[Any, TuneFake, TuneSimFake]:
+def _fake_run(tmp_path: Path, env: FakeTuneEnv | None = None, runner: TuneFake | None = None,
+              **kw: Any) -> tuple[Any, TuneFake, TuneSimFake]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     text = tmp_path / "t.txt"
     text.write_text("text")
     kw.setdefault("grid", OLD_GRID)
     opts = TuneOptions(out=tmp_path / "out", model=model, text=text, argv=("harness", "tune"), **kw)
-    runner, sim = TuneFake(), TuneSimFake()
+    runner, sim = runner or TuneFake(), TuneSimFake()
     info = replace(_info(n_expert=16, k=2), file_bytes=1234)
-    return run_tune(opts, runner, sim, info, env=FakeTuneEnv(tmp_path)), runner, sim
+    return run_tune(opts, runner, sim, info, env=env or FakeTuneEnv(tmp_path)), runner, sim
+
+
+def test_two_models_of_one_file_name_keep_two_profiles(tmp_path: Path) -> None:
+    """Two models called m.gguf in folders tune cannot write: both profiles go to the cache folder, keyed by the
+    fingerprint, and each reads back for its own model (before the key, the second replaced the first)."""
+    cache = tmp_path / "cache"
+    one, _, _ = _fake_run(tmp_path / "a", FakeTuneEnv(tmp_path / "a", 0xA, writable=False, cache=cache))
+    two, _, _ = _fake_run(tmp_path / "b", FakeTuneEnv(tmp_path / "b", 0xB, writable=False, cache=cache),
+                          max_delta_pct=0.6)
+    assert one.profile_path == cache / "tune" / "m.gguf.000000000000000a.moe-tune.json"
+    assert two.profile_path == cache / "tune" / "m.gguf.000000000000000b.moe-tune.json"
+    for res in (one, two):
+        got = read_profile_for(res.opts.model, res.identity, cache)
+        assert got is not None and got[1] == res.profile_path and got[0].bound_pct == res.opts.max_delta_pct
 
 
 def test_run_tune_with_fakes(tmp_path: Path) -> None:

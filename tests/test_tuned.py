@@ -4,11 +4,13 @@
   (harness.domain.tune.auto_policy: parse_tune_profile, check_profile_model, tuned_policy) give the same policy and the
   same reason on the same cases: the choice by slots, another model (size, fingerprint), another schema or version,
   not JSON, every kind of damage the reference names (each field of the model, machine and choice entries removed in
-  turn); the locations and their order; the policy keys' table;
+  turn); the locations and their order (the cache folder's keyed by the model's fingerprint: two models of one file
+  name keep two profiles); the policy keys' table;
 - with the real build: a profile written by harness's own writer next to a generated model bigger than a (fake)
   memory limit makes auto run its policy (the plan line, the stats' config); one of another model, another size,
   another schema_version or not JSON is not used, the line says why and auto runs quality; the user's policy wins;
-  the cache folder is the second place; a FIFO in the first place is not opened.
+  the cache folder is the second place (keyed by the fingerprint), its name-only path the third; a FIFO in the first
+  place is not opened.
 """
 
 from __future__ import annotations
@@ -196,35 +198,85 @@ def test_the_policy_keys_are_one_table(tuned_read: Path) -> None:
 @pytest.mark.parametrize("model", ["/models/q.gguf", "rel/q-00001-of-00002.gguf", "q.gguf"])
 def test_the_locations_are_the_reference_s(env: dict[str, str], model: str, tuned_read: Path) -> None:
     home = Path("/home/u")
-    want = [str(p) for p in profile_locations(Path(model), tune_cache_dir(env, home))]
-    got = _cpp(tuned_read, "--locations", model, env.get("MOE_SUBST_CACHE", "-"), env.get("XDG_CACHE_HOME", "-"),
-               str(home)).split()
+    want = [str(p) for p in profile_locations(Path(model), tune_cache_dir(env, home), IDENTITY.fingerprint)]
+    got = _cpp(tuned_read, "--locations", model, IDENTITY.fingerprint, env.get("MOE_SUBST_CACHE", "-"),
+               env.get("XDG_CACHE_HOME", "-"), str(home)).split()
     assert got == want
+
+
+def test_the_locations_by_hand() -> None:
+    """What the shared locations mean: beside the model, the cache folder keyed by the fingerprint, then the cache
+    folder's name-only path (written before the key)."""
+    assert [str(p) for p in profile_locations(Path("/models/q.gguf"), Path("/m"), "00000000deadbeef")] == [
+        "/models/q.gguf.moe-tune.json", "/m/tune/q.gguf.00000000deadbeef.moe-tune.json", "/m/tune/q.gguf.moe-tune.json"]
 
 
 def test_find_takes_the_first_regular_file(tuned_read: Path, tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     cache = tmp_path / "cache"
-    beside, cached = profile_locations(model, cache)
+    beside, keyed, legacy = profile_locations(model, cache, IDENTITY.fingerprint)
     env = {**os.environ, "MOE_SUBST_CACHE": str(cache)}
 
-    def find() -> str:
-        res = subprocess.run([str(tuned_read), "--find", str(model)], capture_output=True, text=True, timeout=30,
-                             env=env)
+    def find(fingerprint: str = IDENTITY.fingerprint) -> str:
+        res = subprocess.run([str(tuned_read), "--find", str(model), fingerprint], capture_output=True, text=True,
+                             timeout=30, env=env)
         return res.stdout.strip()
 
     assert find() == "-"
-    cached.parent.mkdir(parents=True)
-    cached.write_text("{}")
-    assert find() == str(cached)
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text("{}")
+    assert find() == str(legacy)  # the name-only path of a profile written before the key: the last place
+    keyed.write_text("{}")
+    assert find() == str(keyed)  # the model's own keyed profile comes before it
+    assert find("1" * 16) == str(legacy)  # another model of the same file name: not this model's keyed profile
+    legacy.unlink()
+    assert find("1" * 16) == "-"
     os.mkfifo(beside)  # exists, not a regular file: not opened (the run would block), the next place is read
-    assert find() == str(cached)
+    assert find() == str(keyed)
     beside.unlink()
     beside.mkdir()
-    assert find() == str(cached)
+    assert find() == str(keyed)
     beside.rmdir()
     beside.write_text("{}")
     assert find() == str(beside)
+
+
+def test_two_models_of_one_file_name_keep_their_profiles(tuned_read: Path, tmp_path: Path) -> None:
+    """Two models called m.gguf in the cache folder: each reader finds each model's own profile and runs its policy;
+    an old name-only profile is used for the model it was tuned on and refused, in the line, for the other."""
+    cache = tmp_path / "cache"
+    one, two = replace(IDENTITY, file_bytes=1000), replace(IDENTITY, file_bytes=2000, fingerprint="0123456789abcdef")
+    env = {**os.environ, "MOE_SUBST_CACHE": str(cache)}
+    for mine in (one, two):
+        keyed = profile_locations(tmp_path / mine.fingerprint / "m.gguf", cache, mine.fingerprint)[1]
+        keyed.parent.mkdir(parents=True, exist_ok=True)
+        keyed.write_text(profile_to_json(replace(_profile(mine), bound_pct=mine.file_bytes / 1000)))
+
+    def policy(mine: ModelIdentity) -> tuple[str, str, tuple[str, str]]:
+        model = tmp_path / mine.fingerprint / "m.gguf"
+        res = subprocess.run([str(tuned_read), "--find", str(model), mine.fingerprint], capture_output=True,
+                             text=True, timeout=30, env=env)
+        path = res.stdout.strip()
+        assert path != "-"
+        got = _cpp(tuned_read, "--policy", path, mine.file_name, str(mine.file_bytes), mine.fingerprint, "4")
+        want = auto_policy(Path(path).read_text(), path, mine, 4)
+        cpp_policy, cpp_why = got.rstrip("\n").split("\t", 1)
+        assert (cpp_policy, cpp_why) == want
+        return path, cpp_policy, want
+
+    for mine in (one, two):
+        path, pol, (_, why) = policy(mine)
+        assert path.endswith(f"m.gguf.{mine.fingerprint}.moe-tune.json") and pol == TUNED
+        assert f"<= {mine.file_bytes / 1000:g}% on the point estimate" in why  # its own profile, not the other's
+    # the name-only path (harness tune before the key), model one's: found for two once its keyed one is gone, refused
+    legacy = profile_locations(tmp_path / "m.gguf", cache, one.fingerprint)[2]
+    legacy.write_text(profile_to_json(_profile(one)))
+    profile_locations(tmp_path / two.fingerprint / "m.gguf", cache, two.fingerprint)[1].unlink()
+    path, pol, (_, why) = policy(two)
+    assert path == str(legacy) and pol == "" and "is of another model" in why
+    profile_locations(tmp_path / one.fingerprint / "m.gguf", cache, one.fingerprint)[1].unlink()
+    path, pol, _ = policy(one)
+    assert path == str(legacy) and pol == TUNED
 
 
 # ---- with the real build -------------------------------------------------------------------------------------
@@ -280,7 +332,8 @@ def test_auto_runs_the_tuned_policy(patched_build: Build, synth_text_file: Path,
 
     # harness's own writer, the model's identity: the entry at the planned slots, not the one above them
     mine = ModelIdentity("synth", model.name, model.stat().st_size, f"{model_fingerprint(model):016x}", 32, 4, 2)
-    beside, cached = profile_locations(model, tune_cache_dir({"MOE_SUBST_CACHE": str(cache)}, Path.home()))
+    beside, cached, legacy = profile_locations(model, tune_cache_dir({"MOE_SUBST_CACHE": str(cache)}, Path.home()),
+                                               f"{model_fingerprint(model):016x}")
     beside.write_text(profile_to_json(_profile(mine, slots=(slots + 1, slots))))
     line, cfg = run("auto")
     want = auto_policy(beside.read_text(), str(beside), mine, slots)
@@ -324,10 +377,18 @@ def test_auto_runs_the_tuned_policy(patched_build: Build, synth_text_file: Path,
     lines = [ln for ln in out.splitlines() if "prefetch=on" in ln and "async=off" in ln]
     assert rc != 0 and lines and f"the policy keys are the tuned profile {beside}'s" in lines[0], out[-3000:]
 
-    # the cache folder is the second place; a FIFO in the first is not opened (the run would block on it)
+    # the cache folder is the second place, keyed by the fingerprint; a FIFO in the first is not opened (the run
+    # would block on it)
     beside.unlink()
     cached.parent.mkdir(parents=True)
     cached.write_text(text)
     os.mkfifo(beside)
     line, cfg = run("auto")
     assert line.endswith(auto_policy(text, str(cached), mine, slots)[1]) and cfg["rule"] == "threshold", line
+    # the name-only path (harness tune before the key): after the keyed one; used when it is this model's
+    legacy.write_text(text.replace(WIDE, TUNED))
+    line, cfg = run("auto")
+    assert cfg["rule"] == "threshold", line  # the keyed profile's policy, not the name-only one's (zero)
+    cached.unlink()
+    line, cfg = run("auto")
+    assert line.endswith(auto_policy(legacy.read_text(), str(legacy), mine, slots)[1]) and cfg["rule"] == "zero", line

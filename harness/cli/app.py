@@ -372,7 +372,7 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--runs", type=int, default=3, help="--measure: repetitions (default: %(default)s)")
     t.add_argument("--n-gen", type=int, default=32, help="--measure: decoded tokens per run (default: %(default)s)")
     t.add_argument("--profile-out", type=Path, help="where to write the profile (default: <model>.moe-tune.json "
-                   "next to the model, else ~/.cache/moe-subst/tune/)")
+                   "next to the model, else ~/.cache/moe-subst/tune/<file name>.<fingerprint>.moe-tune.json)")
     options.add_ctx(t, 512)
     options.add_chunks(t, 32)
     options.add_threads(t)

@@ -37,7 +37,7 @@ from harness.stats.intervals import DeltaPPL, MeanCI
 
 TUNE_SCHEMA = "moe-subst/tune-profile"
 TUNE_SCHEMA_VERSION = 1
-PROFILE_SUFFIX = ".moe-tune.json"  # <model file name> + this, next to the model or in the cache folder
+PROFILE_SUFFIX = ".moe-tune.json"  # <model file name> + this next to the model, + .<fingerprint> + this in the cache
 HOSTS = ("file", "ram")  # where a miss is read from: the model file (host=file) or host memory
 EVICTS = ("lfu", "lru", "classlru")
 PREFETCH = ("off", "on")
@@ -510,10 +510,16 @@ class TuneResult:
 
 # ---- the profile file -----------------------------------------------------------------------------------------
 
-def profile_locations(model: Path, cache_dir: Path) -> tuple[Path, Path]:
-    """Where a tuned profile of `model` is looked for, in this order: next to the model (`<model file>.moe-tune.json`)
-    and in the user's cache folder (`<cache>/tune/<model file>.moe-tune.json`)."""
-    return model.with_name(model.name + PROFILE_SUFFIX), cache_dir / "tune" / (model.name + PROFILE_SUFFIX)
+def profile_locations(model: Path, cache_dir: Path, fingerprint: str) -> tuple[Path, Path, Path]:
+    """Where a tuned profile of `model` (whose fingerprint is `fingerprint`, 16 hex digits) is looked for, in this
+    order: next to the model (`<model file>.moe-tune.json`); in the user's cache folder keyed by the fingerprint
+    (`<cache>/tune/<model file>.<fingerprint>.moe-tune.json`: two models of one file name have two profiles there);
+    the cache folder's name-only path (`<cache>/tune/<model file>.moe-tune.json`, where harness tune wrote before the
+    key: used only when its recorded model is this one, check_profile_model). harness tune writes the first or the
+    second."""
+    cached = cache_dir / "tune"
+    return (model.with_name(model.name + PROFILE_SUFFIX), cached / f"{model.name}.{fingerprint}{PROFILE_SUFFIX}",
+            cached / (model.name + PROFILE_SUFFIX))
 
 
 def tune_cache_dir(environ: Mapping[str, str], home: Path) -> Path:

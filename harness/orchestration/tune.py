@@ -18,7 +18,8 @@ profile that `--moe-cache auto` reads (docs/expert-cache.md, "Tuned profile").
    emulate mode; fetch-all, like the fetch-all rung, is the full model's output (it never substitutes), not run.
 5. `--measure`: llama-bench with the engine (decode, interleaved repetitions) for the choice and the presets.
 6. The profile: next to the model (`<model>.moe-tune.json`) where its folder is writable, else in the user's cache
-   folder; `report.md`, `results.jsonl` (the runs, resumable) and `sim.jsonl` (every replay's counters) in `--out`.
+   folder under the model's file name and fingerprint (domain.tune.profile_locations); `report.md`, `results.jsonl`
+   (the runs, resumable) and `sim.jsonl` (every replay's counters) in `--out`.
 
 Every speed but --measure's is an ESTIMATE of the cost model from counted work, and says so.
 """
@@ -116,18 +117,19 @@ def model_identity(info: ModelInfo, model: Path, fingerprint: int) -> ModelIdent
                          n_moe_layers=info.n_moe_layers)
 
 
-def profile_target(opts: TuneOptions, model: Path, env: TuneEnvironment) -> Path:
-    """--profile-out, else next to the model where its folder is writable, else the user's cache folder."""
+def profile_target(opts: TuneOptions, model: Path, fingerprint: str, env: TuneEnvironment) -> Path:
+    """--profile-out, else next to the model where its folder is writable, else the user's cache folder under the
+    model's file name and fingerprint."""
     if opts.profile_out is not None:
         return opts.profile_out
-    beside, cached = profile_locations(model, env.cache_dir())
-    return beside if env.writable(beside.parent) else cached
+    beside, keyed, _ = profile_locations(model, env.cache_dir(), fingerprint)
+    return beside if env.writable(beside.parent) else keyed
 
 
 def read_profile_for(model: Path, identity: ModelIdentity, cache_dir: Path) -> tuple[TuneProfile, Path] | None:
     """The tuned profile `--moe-cache auto` would read for this model (profile_locations' order), checked against
     the model (HarnessError naming the file when it is another model's or damaged); None when there is none."""
-    for path in profile_locations(model, cache_dir):
+    for path in profile_locations(model, cache_dir, identity.fingerprint):
         if path.is_file():
             try:
                 text = path.read_text()
@@ -383,7 +385,7 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     profile_doc = TuneProfile(identity, opts.max_delta_pct, BOUND_ON[opts.strict], host, facts, asdict(profile),
                               tuple(choices), str(text), opts.n_ctx, opts.chunks, utc_now(),
                               {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series})
-    target = profile_target(opts, model, env)
+    target = profile_target(opts, model, identity.fingerprint, env)
     doc = profile_to_json(profile_doc)
     for path in dict.fromkeys((target, opts.out / "profile.moe-tune.json")):
         try:

@@ -162,15 +162,15 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
     bool tuned_used = false;
     if (!plan.off && !policy_given && !model.hparams.no_alloc) {
         const std::string model_path = expert_cache_model_path(model);
-        tuned_path = llama_expert_tuned_find(model_path);
+        char fp[32];
+        snprintf(fp, sizeof(fp), "%016llx", (unsigned long long) llama_expert_fingerprint_of_model(model));
+        tuned_path = llama_expert_tuned_find(model_path, fp);
         if (!tuned_path.empty()) {
             llama_expert_tuned_model mine;
             const size_t slash = model_path.find_last_of('/');
             mine.file_name = slash == std::string::npos ? model_path : model_path.substr(slash + 1);
             struct stat st;
             mine.file_bytes = stat(model_path.c_str(), &st) == 0 ? (uint64_t) st.st_size : 0;
-            char fp[32];
-            snprintf(fp, sizeof(fp), "%016llx", (unsigned long long) llama_expert_fingerprint_of_model(model));
             mine.fingerprint = fp;
             std::string policy;
             std::string why;

@@ -152,8 +152,8 @@ static std::string tuned_list(const char * const * items, size_t n) {
     return s;
 }
 
-std::vector<std::string> llama_expert_tuned_locations(const std::string & model_path, const char * moe_subst_cache,
-        const char * xdg_cache_home, const char * home) {
+std::vector<std::string> llama_expert_tuned_locations(const std::string & model_path, const std::string & fingerprint,
+        const char * moe_subst_cache, const char * xdg_cache_home, const char * home) {
     std::vector<std::string> out = { model_path + LLAMA_EXPERT_TUNED_SUFFIX };
     std::string cache;
     if (moe_subst_cache != nullptr && moe_subst_cache[0] != '\0') {
@@ -169,16 +169,17 @@ std::vector<std::string> llama_expert_tuned_locations(const std::string & model_
         while (cache.size() > 1 && cache.back() == '/') {
             cache.pop_back();
         }
+        out.push_back(cache + "/tune/" + name + "." + fingerprint + LLAMA_EXPERT_TUNED_SUFFIX);
         out.push_back(cache + "/tune/" + name + LLAMA_EXPERT_TUNED_SUFFIX);
     }
     return out;
 }
 
-std::string llama_expert_tuned_find(const std::string & model_path) {
+std::string llama_expert_tuned_find(const std::string & model_path, const std::string & fingerprint) {
     if (model_path.empty()) {
         return "";
     }
-    for (const std::string & p : llama_expert_tuned_locations(model_path, getenv("MOE_SUBST_CACHE"),
+    for (const std::string & p : llama_expert_tuned_locations(model_path, fingerprint, getenv("MOE_SUBST_CACHE"),
             getenv("XDG_CACHE_HOME"), getenv("HOME"))) {
         struct stat st;
         if (stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {

@@ -55,15 +55,18 @@ struct llama_expert_tuned_model {
     std::string fingerprint;
 };
 
-// The two places looked in, in this order: <model path>.moe-tune.json, then <cache>/tune/<model file name>.moe-tune.json
-// with <cache> = $MOE_SUBST_CACHE, else $XDG_CACHE_HOME/moe-subst, else $HOME/.cache/moe-subst (each when set and not
-// empty; no HOME: only the first). The environment's values are arguments so that tests need not set them.
-std::vector<std::string> llama_expert_tuned_locations(const std::string & model_path, const char * moe_subst_cache,
-        const char * xdg_cache_home, const char * home);
+// The places looked in, in this order: <model path>.moe-tune.json; <cache>/tune/<model file name>.<fingerprint>.moe-tune.json
+// (keyed by the model's fingerprint, 16 lowercase hex digits: two models of one file name have two profiles there);
+// <cache>/tune/<model file name>.moe-tune.json (the name-only path harness tune wrote before the key; the model check
+// refuses it when it is another model's). <cache> = $MOE_SUBST_CACHE, else $XDG_CACHE_HOME/moe-subst, else
+// $HOME/.cache/moe-subst (each when set and not empty; no HOME: only the first place). The environment's values are
+// arguments so that tests need not set them.
+std::vector<std::string> llama_expert_tuned_locations(const std::string & model_path, const std::string & fingerprint,
+        const char * moe_subst_cache, const char * xdg_cache_home, const char * home);
 
 // The first of the locations (from the process's environment) that is a regular file; "" when none is (a path that
 // exists and is not a regular file, such as a FIFO or a folder, is never opened).
-std::string llama_expert_tuned_find(const std::string & model_path);
+std::string llama_expert_tuned_find(const std::string & model_path, const std::string & fingerprint);
 
 // Steps 2 and 3 of the contract: the text parsed (another schema or schema_version, not JSON, a damaged entry: false
 // and a one-line err naming `source`); then the model check (another model: false and the contract's line).

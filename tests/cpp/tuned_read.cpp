@@ -1,8 +1,8 @@
 // The tuned-profile reader (src/llama/llama-expert-tuned.cpp) as a tool for tests/test_tuned.py, which runs the Python
 // reference (harness.domain.tune.auto_policy) on the same cases and compares:
 //   tuned_read --policy PATH FILE_NAME FILE_BYTES FINGERPRINT PLANNED_SLOTS   "<policy>\t<why>" (PATH "-": none found)
-//   tuned_read --locations MODEL MOE_SUBST_CACHE XDG_CACHE_HOME HOME          one path a line ("-": unset)
-//   tuned_read --find MODEL                                                   the path found, or "-"
+//   tuned_read --locations MODEL FINGERPRINT MOE_SUBST_CACHE XDG_CACHE_HOME HOME  one path a line ("-": unset)
+//   tuned_read --find MODEL FINGERPRINT                                       the path found, or "-"
 //   tuned_read --policy-keys                                                  LLAMA_EXPERT_TUNED_POLICY_KEYS, one a line
 #include "llama-expert-tuned.h"
 
@@ -29,15 +29,15 @@ int main(int argc, char ** argv) {
         std::printf("%s\t%s\n", policy.c_str(), why.c_str());
         return 0;
     }
-    if (mode == "--locations" && argc == 6) {
-        for (const std::string & p : llama_expert_tuned_locations(argv[2], arg_or_null(argv[3]), arg_or_null(argv[4]),
-                arg_or_null(argv[5]))) {
+    if (mode == "--locations" && argc == 7) {
+        for (const std::string & p : llama_expert_tuned_locations(argv[2], argv[3], arg_or_null(argv[4]),
+                arg_or_null(argv[5]), arg_or_null(argv[6]))) {
             std::printf("%s\n", p.c_str());
         }
         return 0;
     }
-    if (mode == "--find" && argc == 3) {
-        const std::string p = llama_expert_tuned_find(argv[2]);
+    if (mode == "--find" && argc == 4) {
+        const std::string p = llama_expert_tuned_find(argv[2], argv[3]);
         std::printf("%s\n", p.empty() ? "-" : p.c_str());
         return 0;
     }
@@ -48,6 +48,6 @@ int main(int argc, char ** argv) {
         return 0;
     }
     std::fprintf(stderr, "usage: tuned_read --policy PATH FILE_NAME FILE_BYTES FINGERPRINT SLOTS | --locations MODEL "
-        "CACHE XDG HOME | --find MODEL | --policy-keys\n");
+        "FINGERPRINT CACHE XDG HOME | --find MODEL FINGERPRINT | --policy-keys\n");
     return 2;
 }
