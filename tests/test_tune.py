@@ -25,6 +25,7 @@ from harness.domain.tune import (
     ModelIdentity,
     Rung,
     SimPoint,
+    SpeedCheck,
     TuneChoice,
     TuneGrid,
     TuneOptions,
@@ -33,16 +34,21 @@ from harness.domain.tune import (
     bisect_chain,
     chain_rungs,
     check_profile_model,
+    compute_ms_span,
     grid_verdict,
+    is_stable,
     machine_profile,
     parse_tune_profile,
     pick_fastest,
     profile_locations,
     profile_to_json,
+    speed_cv,
+    stability_line,
     tune_cache_dir,
     tune_candidates,
     tuned_policy,
     within_bound,
+    within_error,
 )
 from harness.orchestration.tune import TuneEnvironment, read_profile_for, run_tune
 from harness.parsers import BenchResult, PerplexityResult
@@ -165,6 +171,61 @@ def test_the_bound_is_on_the_point_estimate() -> None:
     assert not within_bound(d, 1.0, strict=True) and within_bound(d, 1.6, strict=True)  # on the CI's upper end
 
 
+# ---- a measured speed ---------------------------------------------------------------------------------------------
+
+def test_speed_cv_and_the_stability_rule_by_hand() -> None:
+    assert speed_cv([90.0, 100.0, 110.0]) == pytest.approx(0.1)  # sd 10 of a mean of 100
+    assert is_stable([90.0, 100.0, 110.0]) and not is_stable([80.0, 100.0, 120.0])  # 10% is stable, 20% is not
+    assert math.isnan(speed_cv([5.0])) and not is_stable([5.0])  # one process: the spread is unknown
+    c = SpeedCheck("decode", (80.0, 100.0, 120.0), first=(10.0, 100.0))
+    assert c.rerun and not c.stable and c.cv == pytest.approx(0.2) and c.ci.mean == pytest.approx(100.0)
+    line = stability_line([c], again=False)
+    assert "decode: CV 20.0% over 3 runs" in line and "above 10%" in line and "measuring again" in line
+    assert "\n" not in line and "UNSTABLE" in stability_line([c], again=True)
+
+
+def test_compute_ms_span_by_hand() -> None:
+    # 90, 100, 110 t/s: mean 100, sd 10, 95% CI 100 +/- t(0.975, 2) 10 / sqrt(3) = 100 +/- 24.841
+    ms, fast, slow = compute_ms_span([90.0, 100.0, 110.0])
+    assert ms == pytest.approx(10.0) and fast == pytest.approx(1000 / 124.841, rel=1e-4)
+    assert slow == pytest.approx(1000 / 75.159, rel=1e-4)
+    assert compute_ms_span([100.0, 100.0]) == (10.0, 10.0, 10.0)
+    assert compute_ms_span([50.0]) == (20.0, 20.0, 20.0)
+    # the CI's lower end below 0 (1 and 100 t/s): the slowest process stands for it
+    assert compute_ms_span([1.0, 100.0])[2] == pytest.approx(1000.0)
+
+
+def test_within_the_measurement_error_the_lower_loss_is_chosen() -> None:
+    g = TuneGrid(taus=(0.1, 0.2), zero_taus=(0.2,))
+    t1, t2 = chain_rungs(g, "substitute")[1:3]
+
+    def pt(rung: Rung, est: float, span: tuple[float, float] | None, lost: float) -> SimPoint:
+        return replace(_point(rung, est, lost=lost), est_span=span)
+
+    asked: list[str] = []
+
+    def ok(r: Rung) -> bool:
+        asked.append(r.name)
+        return True
+
+    def pick(*pts: SimPoint, passes: Any = ok) -> Rung:
+        return pick_fastest({p.candidate.rung: p for p in pts}, {"substitute": 2}, g, passes).candidate.rung
+
+    # no interval: the fastest, however close
+    assert pick(pt(t1, 10.0, None, 0.1), pt(t2, 9.9, None, 0.2)) == t2
+    # spans that overlap: as fast as the measurement can tell, so the one that loses less
+    assert pick(pt(t1, 10.0, (9.0, 11.0), 0.1), pt(t2, 9.5, (8.5, 10.5), 0.2)) == t1
+    assert within_error(pt(t1, 10.0, (9.0, 11.0), 0.1), pt(t2, 9.5, (8.5, 10.5), 0.2))
+    # spans apart: the fastest
+    assert pick(pt(t1, 12.0, (11.5, 12.5), 0.1), pt(t2, 9.5, (8.5, 10.5), 0.2)) == t2
+    # fetch-all within the error loses nothing: taken without a check; a lower-loss rung that fails is passed over
+    asked.clear()
+    assert pick(pt(FETCH_ALL, 10.4, (9.4, 11.4), 0.0), pt(t2, 9.5, (8.5, 10.5), 0.2)) == FETCH_ALL
+    assert asked == ["threshold tau=0.2"]
+    got = pick(pt(t1, 10.0, (9.0, 11.0), 0.1), pt(t2, 9.5, (8.5, 10.5), 0.2), passes=lambda r: r != t1)
+    assert got == t2
+
+
 # ---- the machine ------------------------------------------------------------------------------------------------
 
 FACTS = MachineFacts(cpus=2, mem_total=24 << 30, mem_available=16 << 30, gpus=(), disk_path="/m.gguf",
@@ -218,6 +279,18 @@ def test_profile_round_trip() -> None:
     d = json.loads(text)
     assert d["schema"] == "moe-subst/tune-profile" and d["schema_version"] == 1
     assert d["model"]["fingerprint"] == "00000000deadbeef" and d["bound"]["max_delta_ppl_pct"] == 1.0
+    assert "stability" not in d
+    # the speeds measured and their stability: written, read back; one process' CV (unknown) is null, not NaN
+    speeds = (SpeedCheck("decode in memory, cache off", (100.0, 80.0, 120.0), (10.0, 100.0)),
+              SpeedCheck("decode with the engine, x", (50.0,)))
+    text = profile_to_json(_profile(speeds=speeds))
+    assert parse_tune_profile(text, "p.json").speeds == speeds
+    st = json.loads(text)["stability"]
+    assert st["stable"] is False and st["cv_warn"] == 0.1 and "NaN" not in text
+    assert st["speeds"][0]["cv"] == pytest.approx(0.2) and st["speeds"][0]["rerun"] is True
+    assert st["speeds"][0]["first_tokens_per_s"] == [10.0, 100.0] and st["speeds"][1]["cv"] is None
+    # informational: a damaged stability object is not read (auto does not read it either), the profile is
+    assert parse_tune_profile(_damage(json.loads(text), "stability.speeds", 3), "p.json").speeds == ()
 
 
 def _damage(d: dict[str, Any], path: str, value: Any) -> str:
@@ -321,9 +394,13 @@ def _loss(label: str) -> float:
 
 
 class TuneFake:
-    def __init__(self) -> None:
+    """`speeds`: per bench label, the tokens/s of its next processes in turn (warm-up first); then 100 t/s with the
+    cache off, 50 with the engine."""
+
+    def __init__(self, speeds: dict[str, list[float]] | None = None) -> None:
         self.calls: list[str] = []
         self.dumps: dict[Path, NllDump] = {}
+        self.speeds = {k: list(v) for k, v in (speeds or {}).items()}
 
     def perplexity(self, build: Build, req: PerplexityRequest) -> PerplexityRun:
         self.calls.append(req.label)
@@ -340,7 +417,8 @@ class TuneFake:
 
     def bench(self, build: Build, req: BenchRequest) -> BenchRun:
         self.calls.append(f"bench:{req.label}")
-        tps = 100.0 if req.cache is None else 50.0
+        queue = self.speeds.get(req.label)
+        tps = queue.pop(0) if queue else 100.0 if req.cache is None else 50.0
         res = (BenchResult("c", "CPU", "", "m.gguf", 512, 512, 2, 99, 0, 0, req.n_gen, 0,
                            (int(req.n_gen * 1e9 / tps),), tps),)
         return BenchRun(res, RunOutput(("t",), {}, 0, "", "", 0.1))
@@ -351,7 +429,8 @@ class TuneFake:
 
 class TuneSimFake:
     """Fetches per token fall with the rung's loss: fetch-all 10, threshold 10 - 20 tau, first-choice 1, zero
-    10 - 15 tau; LRU 10% fewer; admission 5% fewer with 0.5 in the background; prefetch 1 more in the background."""
+    10 - 15 tau; LRU 10% fewer; admission 5% fewer with 0.5 in the background; prefetch 1 more in the background.
+    Lost gate weight per token-layer: fetch-all none, threshold and zero tau / 10, first-choice 0.05."""
 
     def __init__(self) -> None:
         self.specs: list[str] = []
@@ -371,10 +450,11 @@ class TuneSimFake:
             background += 0.5
         if kv.get("prefetch") == "on":
             background += 1.0
+        lost = {"fetch-all": 0.0, "threshold": tau / 10, "first-choice": 0.05, "zero": tau / 10}[rule]
         layers = [{"layer": i, "token_layers": 100, "fetches": fetches * 100 / 4, "admissions": background * 100 / 4,
                    "prefetches": 0} for i in range(4)]
         doc = {"config": {"slots": int(kv["slots"]), "n_expert": 16},
-               "total": {"tokens": 100, "token_layers": 400, "hit_rate": 0.5, "subst_mass_sum": 4.0,
+               "total": {"tokens": 100, "token_layers": 400, "hit_rate": 0.5, "subst_mass_sum": 400 * lost,
                          "drop_mass_sum": 0.0}, "layers": layers}
         return SimRun(spec, CacheStats(0.0, 0.0, fetches, "{}"), doc, None)
 
@@ -404,7 +484,7 @@ OLD_GRID = TuneGrid(taus=(0.05, 0.1, 0.15, 0.25, 0.4), zero_taus=(0.1, 0.2, 0.3)
 
 
 def _fake_run(tmp_path: Path, env: FakeTuneEnv | None = None, runner: TuneFake | None = None,
-              **kw: Any) -> tuple[Any, TuneFake, TuneSimFake]:
+              warn: Any = None, **kw: Any) -> tuple[Any, TuneFake, TuneSimFake]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
@@ -414,7 +494,8 @@ def _fake_run(tmp_path: Path, env: FakeTuneEnv | None = None, runner: TuneFake |
     opts = TuneOptions(out=tmp_path / "out", model=model, text=text, argv=("harness", "tune"), **kw)
     runner, sim = runner or TuneFake(), TuneSimFake()
     info = replace(_info(n_expert=16, k=2), file_bytes=1234)
-    return run_tune(opts, runner, sim, info, env=env or FakeTuneEnv(tmp_path)), runner, sim
+    return run_tune(opts, runner, sim, info, env=env or FakeTuneEnv(tmp_path),
+                    warn=warn if warn is not None else [].append), runner, sim
 
 
 def test_two_models_of_one_file_name_keep_two_profiles(tmp_path: Path) -> None:
@@ -433,8 +514,9 @@ def test_two_models_of_one_file_name_keep_two_profiles(tmp_path: Path) -> None:
 
 def test_run_tune_with_fakes(tmp_path: Path) -> None:
     res, runner, sim = _fake_run(tmp_path)
-    # the trace run first (the full model), the decode rate, then the search's checks and the presets
-    assert runner.calls[:2] == ["full", "bench:compute"]
+    # the trace run first (the full model), the decode rate (a warm-up and 5 processes), then the search's checks and
+    # the presets
+    assert runner.calls[:7] == ["full"] + ["bench:compute"] * 6
     checks = [c for c in runner.calls[2:] if "slots=" in c]
     # substitute chain: first-choice (fails), tau 0.15 (passes: 0.75%), tau 0.25 (fails); drop chain: zero 0.3
     # (passes); the choice is zero 0.3 (5.5 fetches, less with LRU and admission); then the three presets
@@ -480,7 +562,7 @@ def test_run_tune_measure_and_errors(tmp_path: Path) -> None:
                                grid=TuneGrid(taus=(0.1,), zero_taus=(), admits=("off",), evicts=("lfu",),
                                              prefetch=("off",)))
     benches = [c for c in runner.calls if c.startswith("bench:") and c != "bench:compute"]
-    assert len(benches) == 2 * 4  # the choice and three presets, interleaved, twice
+    assert len(benches) == 3 * 4  # the choice and three presets: a warm-up each, then interleaved, twice
     chosen = next(r for r in res.rows if r.role == "chosen")
     assert chosen.measured is not None and chosen.measured.mean == pytest.approx(50.0)
     assert res.choices[0].measured_tokens_per_s == pytest.approx(50.0)
@@ -490,13 +572,15 @@ def test_run_tune_measure_and_errors(tmp_path: Path) -> None:
     for kw in ({"measure_grid": 3}, {"measure": True, "measure_grid": -1}):
         with pytest.raises(HarnessError, match="--measure-grid"):
             _fake_run(tmp_path / "b", **kw)
+    with pytest.raises(HarnessError, match="--runs 1: at least 2 processes"):
+        _fake_run(tmp_path / "b", measure=True, runs=1)
 
 
 def test_run_tune_measure_grid(tmp_path: Path) -> None:
     """--measure-grid 5: the 5 fastest estimated grid points within the bound are measured beside the choice: none of
     a rung the check found over the bound (first-choice, tau 0.25 in the fakes), none above a chain's boundary, not
     the choice again; the report says whether the choice is within 5% of the fastest measured."""
-    res, runner, _ = _fake_run(tmp_path, measure=True, runs=1, measure_grid=5)
+    res, runner, _ = _fake_run(tmp_path, measure=True, runs=2, measure_grid=5)
     grid = [r for r in res.rows if r.role == "grid"]
     chosen = next(r for r in res.rows if r.role == "chosen")
     assert len(grid) == 5 and chosen.name not in {r.name for r in grid}
@@ -506,9 +590,99 @@ def test_run_tune_measure_grid(tmp_path: Path) -> None:
         assert r.est_ms >= chosen.est_ms * 0.99  # the choice is its rung's best knobs, the fastest rung in the pool
     assert [r.est_ms for r in grid] == sorted(r.est_ms for r in grid)
     benches = [c for c in runner.calls if c.startswith("bench:") and c != "bench:compute"]
-    assert len(benches) == 1 + 3 + 5
+    assert len(benches) == 3 * (1 + 3 + 5)  # a warm-up and 2 processes each
     md = "\n".join(summary_lines(res))
     assert "fastest estimated grid points within the bound" in md and "**held**" in md  # every fake bench is 50 t/s
+
+
+def _compute_calls(runner: TuneFake) -> int:
+    return sum(1 for c in runner.calls if c == "bench:compute")
+
+
+def test_the_decode_rate_is_a_warm_up_and_five_processes(tmp_path: Path) -> None:
+    """The decode rate is the mean of 5 processes after a discarded warm-up (a cold first run, 1 t/s here, as the
+    issue's 91.5 ms/token against 0.7 idle), stable: no warning, recorded in the profile and the report."""
+    warnings: list[str] = []
+    runner = TuneFake({"compute": [1.0, 100.0, 101.0, 99.0, 100.0, 100.0]})
+    res, _, _ = _fake_run(tmp_path, runner=runner, warn=warnings.append)
+    assert _compute_calls(runner) == 6 and warnings == []
+    assert res.machine.compute_ms_per_token == pytest.approx(10.0)
+    (check,) = res.speeds
+    assert check.samples == (100.0, 101.0, 99.0, 100.0, 100.0) and check.stable and not check.rerun
+    st = json.loads(res.profile_path.read_text())["stability"]
+    assert st["stable"] is True and st["speeds"][0]["tokens_per_s"] == list(check.samples)
+    md = render_tune_markdown(res)
+    assert "## Measurement stability" in md and "| decode in memory, cache off | 5 |" in md and "UNSTABLE" not in md
+
+
+def _warn_run(tmp_path: Path, speeds: dict[str, list[float]], **kw: Any) -> tuple[Any, TuneFake, list[str]]:
+    warnings: list[str] = []
+    runner = TuneFake(speeds)
+    res, _, _ = _fake_run(tmp_path, runner=runner, warn=warnings.append, **kw)
+    return res, runner, warnings
+
+
+def test_an_unstable_decode_rate_is_measured_again(tmp_path: Path) -> None:
+    """A first round whose CV is above 10%: one warning line naming it, the 5 processes again; the re-run, stable, is
+    the measurement (the first round recorded beside it)."""
+    first = [100.0, 50.0, 100.0, 50.0, 100.0]
+    res, runner, warnings = _warn_run(tmp_path, {"compute": [1.0, *first, *[125.0] * 5]})
+    assert _compute_calls(runner) == 11
+    (line,) = warnings
+    assert f"CV {speed_cv(first) * 100:.1f}% over 5 runs" in line and "measuring again" in line
+    assert res.machine.compute_ms_per_token == pytest.approx(8.0)
+    (check,) = res.speeds
+    assert check.rerun and check.first == tuple(first) and check.stable
+    assert any("measured again, stable" in n for n in res.notes) and res.stable
+    # resumed: every process is recorded, none is run again
+    again = TuneFake({"compute": [7.0] * 11})
+    again.dumps = runner.dumps
+    res2 = run_tune(res.opts, again, TuneSimFake(), replace(_info(n_expert=16, k=2), file_bytes=1234),
+                    env=FakeTuneEnv(tmp_path), warn=[].append)
+    assert _compute_calls(again) == 0 and res2.machine.compute_ms_per_token == pytest.approx(8.0)
+
+
+def test_a_decode_rate_still_unstable_is_recorded_and_costs_no_quality(tmp_path: Path) -> None:
+    """Unstable twice: a second line, the instability in the profile, the report and the summary; and with estimates
+    the measurement cannot tell apart, the choice is the one that loses the least (fetch-all here, exact) instead of
+    the fastest estimate (zero tau=0.3 with a stable rate, test_run_tune_with_fakes)."""
+    wild = [200.0, 30.0, 200.0, 30.0, 100.0]
+    res, runner, warnings = _warn_run(tmp_path, {"compute": [1.0, *wild, *wild]})
+    assert _compute_calls(runner) == 11 and len(warnings) == 2
+    assert "measuring again" in warnings[0] and "still unstable after a re-run" in warnings[1]
+    assert f"CV {speed_cv(wild) * 100:.1f}%" in warnings[1] and warnings[1] in res.notes
+    assert not res.stable and not res.speeds[0].stable
+    d = json.loads(res.profile_path.read_text())
+    assert d["stability"]["stable"] is False and d["stability"]["speeds"][0]["rerun"] is True
+    assert "UNSTABLE" in render_tune_markdown(res) and "**UNSTABLE measurement**" in summary_lines(res)[2]
+    (choice,) = res.choices
+    assert choice.policy.startswith("rule=fetch-all") and choice.delta_pct == 0.0
+    stable, _, _ = _fake_run(tmp_path / "stable")
+    assert stable.choices[0].policy.startswith("rule=zero,tau=0.3")
+
+
+def test_measure_warms_up_checks_and_measures_again(tmp_path: Path) -> None:
+    """--measure: a warm-up process per configuration (discarded), --runs processes each (5 by default); one
+    configuration unstable: one warning, every configuration measured again (the same conditions for all), the
+    re-run's mean is the measured speed."""
+    grid = TuneGrid(taus=(0.1,), zero_taus=(), admits=("off",), evicts=("lfu",), prefetch=("off",))
+    res, runner, warnings = _warn_run(tmp_path, {"quality slots=4": [1.0, 90.0, 30.0, 90.0, 30.0, 90.0,
+                                                                     *[80.0] * 5]}, measure=True, grid=grid)
+    per = {c: runner.calls.count(c) for c in runner.calls if c.startswith("bench:") and "slots" in c}
+    assert per and set(per.values()) == {1 + 5 + 5}  # all four, the re-run too
+    (line,) = warnings
+    assert "decode with the engine, quality slots=4: CV" in line
+    rows = {r.role: r for r in res.rows}
+    assert rows["quality"].measured is not None and rows["quality"].measured.mean == pytest.approx(80.0)
+    assert rows["chosen"].measured is not None and rows["chosen"].measured.n == 5
+    assert {c.what for c in res.speeds} >= {"decode in memory, cache off", "decode with the engine, quality slots=4"}
+    assert res.stable and "5 processes after a discarded warm-up" in "\n".join(summary_lines(res))
+    # a configuration unstable twice: its measured speed says so in the table
+    res2, _, warnings2 = _warn_run(tmp_path / "b", {"speed slots=4": [1.0, *[90.0, 30.0] * 5]}, measure=True,
+                                   runs=5, grid=grid)
+    assert len(warnings2) == 2 and not res2.stable
+    speed = next(r for r in res2.rows if r.role == "speed")
+    assert speed.measured is not None and "UNSTABLE: CV" in "\n".join(summary_lines(res2))
 
 
 def test_grid_verdict() -> None:

@@ -31,6 +31,7 @@ from harness.domain.tune import (
     POLICY_KEYS,
     MachineFacts,
     ModelIdentity,
+    SpeedCheck,
     TuneChoice,
     TuneProfile,
     auto_policy,
@@ -134,6 +135,11 @@ def _cases() -> list[tuple[str, str | None, int, ModelIdentity]]:
         ("bound.on 95%", json.dumps(_set(json.loads(good), "bound.on", "95% CI upper end")), 4, IDENTITY),
         ("bound a string", json.dumps(_set(json.loads(good), "bound.max_delta_ppl_pct", "1%")), 4, IDENTITY),
         ("bound 0.5", json.dumps(_set(json.loads(good), "bound.max_delta_ppl_pct", 0.5)), 4, IDENTITY),
+        # harness tune's record of its speed measurements (informational: neither reader checks it)
+        ("with stability", profile_to_json(replace(_profile(), speeds=(
+            SpeedCheck("decode in memory, cache off", (100.0, 80.0, 120.0), (10.0, 100.0)),
+            SpeedCheck("decode with the engine, x", (50.0,))))), 4, IDENTITY),
+        ("stability damaged", json.dumps({**base, "stability": {"speeds": [1, "x"], "stable": "?"}}), 4, IDENTITY),
     ]
     for path, value in [("delta_pct", "big"), ("ci_low", None), ("ci_high", True), ("fraction", [1]),
                         ("est_tokens_per_s", "fast"), ("slots", 4.5), ("slots", True), ("slots", "4"),

@@ -318,7 +318,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                        measure_grid=args.measure_grid, runs=args.runs,
                        n_gen=args.n_gen, profile_out=args.profile_out, seed=args.seed, argv=tuple(sys.argv),
                        **options.perplexity_settings(args))
-    result = _with_progress("tune", lambda progress: tune.tune(opts, progress))
+    def warn(line: str) -> None:
+        err_console.print(f"harness: warning: {line}", highlight=False, soft_wrap=True, markup=False)
+
+    result = _with_progress("tune", lambda progress: tune.tune(opts, progress, warn=warn))
     for note in result.notes:
         err_console.print(f"harness: note: {note}", highlight=False, soft_wrap=True, markup=False)
     console.print(Markdown("\n".join(summary_lines(result))))
@@ -369,7 +372,8 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--measure-grid", type=int, default=0, metavar="N", help="--measure: also the N fastest estimated "
                    "grid points within the bound, to check the choice against the best measured one "
                    "(default: %(default)s)")
-    t.add_argument("--runs", type=int, default=3, help="--measure: repetitions (default: %(default)s)")
+    t.add_argument("--runs", type=int, default=5, help="--measure: llama-bench processes per configuration after a "
+                   "discarded warm-up, measured again once when their CV is above 10%% (default: %(default)s)")
     t.add_argument("--n-gen", type=int, default=32, help="--measure: decoded tokens per run (default: %(default)s)")
     t.add_argument("--profile-out", type=Path, help="where to write the profile (default: <model>.moe-tune.json "
                    "next to the model, else ~/.cache/moe-subst/tune/<file name>.<fingerprint>.moe-tune.json)")

@@ -16,7 +16,13 @@ loses; per rung, of the speed knobs within 1% of its fastest estimate, those tha
 assumption the search rests on, the study's mass hypothesis within one rule), so the most aggressive rung within
 the bound is found by bisection (`bisect_chain`): a handful of emulate runs instead of one per grid point. The
 choice is then the fastest estimate among the rungs at or below each chain's boundary, checked in emulate itself
-(`pick_fastest`).
+(`pick_fastest`); a rung whose estimate is within the measurement error of the fastest's (their spans over the
+decode measurement's 95% CI overlap) and that loses less gate weight is taken instead.
+
+The decode rate the estimates rest on is measured as pyperf would (`SpeedCheck`): a discarded warm-up process, then
+`SPEED_RUNS` processes (the process is the sample), and the coefficient of variation of their tokens/s against
+`SPEED_CV_WARN`; above it the round is run again once, and a second unstable round is recorded as unstable in the
+profile and the report (`stability_line` says so in one line each time).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from harness.domain.costmodel import Profile, TokenWork, estimate
 from harness.domain.plan import slots_for_residency
 from harness.domain.settings import PerplexitySettings
 from harness.parsers.gguf_model import ModelInfo
-from harness.stats.intervals import DeltaPPL, MeanCI
+from harness.stats.intervals import CV_WARN, DeltaPPL, MeanCI, mean_ci
 
 TUNE_SCHEMA = "moe-subst/tune-profile"
 TUNE_SCHEMA_VERSION = 1
@@ -73,7 +79,7 @@ class TuneOptions(PerplexitySettings):
     readers: int = 4  # the engine's reader threads (host=file): the disk is measured with as many
     measure: bool = False  # llama-bench with the engine for the choice and the presets
     measure_grid: int = 0  # --measure: also the N fastest estimated grid points within the bound (verifies the choice)
-    runs: int = 3  # --measure: llama-bench repetitions
+    runs: int = 5  # --measure: llama-bench processes per configuration (the process is the sample); SPEED_RUNS
     n_gen: int = 32  # --measure: decoded tokens per repetition
     profile_out: Path | None = None  # None: next to the model, else the cache folder (profile_locations)
     n_boot: int = 2000
@@ -195,13 +201,91 @@ def tune_candidates(grid: TuneGrid, info: ModelInfo) -> list[Candidate]:
     return list(out.values())
 
 
+# ---- a measured speed and its stability ------------------------------------------------------------------------
+
+SPEED_RUNS = 5  # processes per speed measured (the process is the sample), after one discarded warm-up process
+SPEED_CV_WARN = CV_WARN  # pyperf's rule: a standard deviation above 10% of the mean is an unstable measurement
+
+
+def speed_cv(samples: Sequence[float]) -> float:
+    """The coefficient of variation of repeated measurements: sample standard deviation / mean; nan with fewer than
+    two samples or a mean of 0 (no spread can be told)."""
+    n = len(samples)
+    if n < 2:
+        return math.nan
+    mean = sum(samples) / n
+    if mean == 0:
+        return math.nan
+    return math.sqrt(sum((x - mean) ** 2 for x in samples) / (n - 1)) / abs(mean)
+
+
+def is_stable(samples: Sequence[float], threshold: float = SPEED_CV_WARN) -> bool:
+    """pyperf's rule: the CV at or below `threshold`; fewer than two samples are never stable (the CV is unknown)."""
+    cv = speed_cv(samples)
+    return math.isfinite(cv) and cv <= threshold
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """A decode speed measured in repeated processes after a discarded warm-up process: tokens/s of each process of
+    the round used, and, when the first round's CV was above SPEED_CV_WARN and it was run again, the first round's
+    (the re-run's samples are the measurement)."""
+
+    what: str
+    samples: tuple[float, ...]
+    first: tuple[float, ...] = ()
+
+    @property
+    def ci(self) -> MeanCI:
+        return mean_ci(self.samples)
+
+    @property
+    def cv(self) -> float:
+        return speed_cv(self.samples)
+
+    @property
+    def rerun(self) -> bool:
+        return bool(self.first)
+
+    @property
+    def stable(self) -> bool:
+        return is_stable(self.samples)
+
+
+def cv_label(cv: float) -> str:
+    return f"{cv * 100:.1f}%" if math.isfinite(cv) else "unknown (fewer than 2 runs)"
+
+
+def stability_line(checks: Sequence[SpeedCheck], again: bool) -> str:
+    """The one-line warning for the checks found unstable: after the first round (`again` False: they are measured
+    again) or after the re-run (`again` True: recorded as unstable). Names each one's CV."""
+    what = "; ".join(f"{c.what}: CV {cv_label(c.cv)} over {len(c.samples)} runs" for c in checks)
+    if not again:
+        return (f"unstable decode measurement ({what}; above {SPEED_CV_WARN * 100:g}%, pyperf's rule): the machine is "
+                "busy or its speed changes; measuring again")
+    return (f"still unstable after a re-run ({what}; above {SPEED_CV_WARN * 100:g}%): the choice rests on an UNSTABLE "
+            "measurement, recorded as such in the profile and the report; tune again on an idle machine")
+
+
+def compute_ms_span(samples: Sequence[float]) -> tuple[float, float, float]:
+    """The decode time per token from repeated processes' tokens/s: (1000 / their mean, and the ends of its 95% CI:
+    1000 / the CI's upper end, 1000 / its lower end); a lower end at or below 0 (a very unstable measurement) is
+    replaced by the slowest process. One sample: no interval, the point three times."""
+    ci = mean_ci(samples)
+    ms = 1000.0 / ci.mean
+    if ci.n < 2:
+        return ms, ms, ms
+    return ms, 1000.0 / ci.high, 1000.0 / (ci.low if ci.low > 0 else min(samples))
+
+
 # ---- what the simulator says of a candidate -------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class SimPoint:
     """A candidate replayed by llama-moe-sim: per decoded token (simulate.per_token) its synchronous fetches and
     its background loads (admissions and prefetches), the gate weight it loses per token-layer (substituted plus
-    dropped), the hit rate, and the cost model's estimated ms per token (an ESTIMATE)."""
+    dropped), the hit rate, and the cost model's estimated ms per token (an ESTIMATE); `est_span`: the estimate at
+    the two ends of the decode measurement's 95% CI (None: no interval, the point)."""
 
     candidate: Candidate
     fetches: float
@@ -209,10 +293,23 @@ class SimPoint:
     lost_mass: float
     hit_rate: float
     est_ms: float
+    est_span: tuple[float, float] | None = None
 
     @property
     def est_tps(self) -> float:
         return 1000.0 / self.est_ms
+
+    @property
+    def span(self) -> tuple[float, float]:
+        lo, hi = self.est_span or (self.est_ms, self.est_ms)
+        return min(lo, hi, self.est_ms), max(lo, hi, self.est_ms)
+
+
+def within_error(a: SimPoint, b: SimPoint) -> bool:
+    """Two estimates within their measurement error of each other: their spans over the decode measurement's 95% CI
+    overlap (without an interval: equal estimates)."""
+    (alo, ahi), (blo, bhi) = a.span, b.span
+    return alo <= bhi and blo <= ahi
 
 
 def sim_work(info: ModelInfo, fetches: float, background: float) -> TokenWork:
@@ -284,15 +381,23 @@ def bisect_chain(rungs: Sequence[Rung], passes: Callable[[Rung], bool]) -> int:
 def pick_fastest(best: Mapping[Rung, SimPoint], boundaries: Mapping[str, int], grid: TuneGrid,
                  passes: Callable[[Rung], bool]) -> SimPoint:
     """The fastest estimate among the rungs at or below each chain's boundary, confirmed by `passes` (a rung that
-    fails, against the chain's order, is dropped and the next fastest tried); fetch-all, exact, when none is left."""
+    fails, against the chain's order, is dropped and the next fastest tried); fetch-all, exact, when none is left.
+    Then, of the rungs within the measurement error of that one (`within_error`) that lose less gate weight (the
+    quality loss the simulator counts for every rung; fetch-all loses none), the one that loses the least and passes:
+    a speed the measurement cannot tell apart is not worth the loss."""
     pool: list[SimPoint] = []
     for chain, b in boundaries.items():
         pool += [best[r] for r in chain_rungs(grid, chain)[: b + 1] if r in best]
     pool = sorted(dict.fromkeys(pool), key=lambda p: (p.est_ms, p.candidate.rung.level, p.candidate.name))
-    for p in pool:
-        if p.candidate.rung.exact or passes(p.candidate.rung):
+    fastest = next((p for p in pool if p.candidate.rung.exact or passes(p.candidate.rung)), None)
+    if fastest is None:
+        raise HarnessError("tune: no candidate left, not even fetch-all (was it simulated?)")
+    for p in sorted(pool, key=lambda p: (p.lost_mass, p.est_ms, p.candidate.rung.level, p.candidate.name)):
+        if p.lost_mass >= fastest.lost_mass:
+            break
+        if within_error(p, fastest) and (p.candidate.rung.exact or passes(p.candidate.rung)):
             return p
-    raise HarnessError("tune: no candidate left, not even fetch-all (was it simulated?)")
+    return fastest
 
 
 def within_bound_points(points: Sequence[SimPoint], fraction: float, boundaries: Mapping[str, int], grid: TuneGrid,
@@ -488,6 +593,7 @@ class TuneProfile:
     chunks: int | None
     created: str
     provenance: dict[str, str]  # pin, patch series
+    speeds: tuple[SpeedCheck, ...] = ()  # the decode speeds measured in repeated processes, and their stability
 
 
 @dataclass(frozen=True)
@@ -506,6 +612,11 @@ class TuneResult:
     results_path: Path
     wall_s: float
     notes: tuple[str, ...]
+    speeds: tuple[SpeedCheck, ...] = ()  # as TuneProfile.speeds
+
+    @property
+    def stable(self) -> bool:
+        return all(c.stable for c in self.speeds)
 
 
 # ---- the profile file -----------------------------------------------------------------------------------------
@@ -540,7 +651,45 @@ def profile_to_json(p: TuneProfile) -> str:
                          "cost_profile": p.cost_profile,
                          "text": {"path": p.text, "n_ctx": p.n_ctx, "chunks": p.chunks},
                          "provenance": p.provenance}
+    if p.speeds:
+        d["stability"] = stability_to_json(p.speeds)
     return json.dumps(d, indent=1) + "\n"
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def stability_to_json(speeds: Sequence[SpeedCheck]) -> dict[str, Any]:
+    """The profile's `stability`: whether every speed measured was stable, and each one's samples (tokens/s of each
+    process), CV and first round when it was run again (docs/expert-cache.md, "Tuned profile")."""
+    return {"cv_warn": SPEED_CV_WARN, "stable": all(c.stable for c in speeds),
+            "speeds": [{"what": c.what, "tokens_per_s": list(c.samples), "cv": _finite(c.cv), "stable": c.stable,
+                        "rerun": c.rerun, "first_tokens_per_s": list(c.first),
+                        "first_cv": _finite(speed_cv(c.first)) if c.first else None} for c in speeds]}
+
+
+def _stability_from_json(d: Any) -> tuple[SpeedCheck, ...]:
+    """The profile's `stability` back as SpeedChecks; informational (auto does not read it): absent or not of its
+    shape, none."""
+    speeds = d.get("speeds") if isinstance(d, dict) else None
+    if not isinstance(speeds, list):
+        return ()
+    out: list[SpeedCheck] = []
+    for s in speeds:
+        if not isinstance(s, dict):
+            return ()
+        samples, first = _numbers(s.get("tokens_per_s")), _numbers(s.get("first_tokens_per_s", []))
+        if not isinstance(s.get("what"), str) or samples is None or first is None:
+            return ()
+        out.append(SpeedCheck(s["what"], samples, first))
+    return tuple(out)
+
+
+def _numbers(v: Any) -> tuple[float, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        return None
+    return tuple(float(x) for x in v)
 
 
 def _num(v: Any, what: str, *, none: bool = False) -> Any:
@@ -603,7 +752,8 @@ def parse_tune_profile(text: str, source: str) -> TuneProfile:
         return TuneProfile(model, float(_num(bound.get("max_delta_ppl_pct"), "bound.max_delta_ppl_pct")),
                            str(bound["on"]), str(d.get("host")), machine, dict(d.get("cost_profile") or {}), choices,
                            str(txt.get("path")), int(txt.get("n_ctx") or 0), txt.get("chunks"),
-                           str(d.get("created")), dict(d.get("provenance") or {}))
+                           str(d.get("created")), dict(d.get("provenance") or {}),
+                           _stability_from_json(d.get("stability")))
     except HarnessError as e:
         raise HarnessError(f"the tuned profile {source} is damaged: {e}") from None
     except (TypeError, ValueError, AttributeError) as e:

@@ -2,8 +2,10 @@
 profile that `--moe-cache auto` reads (docs/expert-cache.md, "Tuned profile").
 
 1. This machine, once: the model file's disk with the engine's read pattern (harness.tools.machine), a host memory
-   copy, and the decode rate with every weight in memory (llama-bench, cache off); with the packaged base profile
-   (`cpu-disk`) they make the cost model's profile (domain.tune.machine_profile).
+   copy, and the decode rate with every weight in memory (llama-bench, cache off: a discarded warm-up process, then
+   SPEED_RUNS processes, their CV checked, measured again once when above 10%: `_speeds`); with the packaged base
+   profile (`cpu-disk`) they make the cost model's profile (domain.tune.machine_profile), and at the two ends of the
+   decode rate's 95% CI the span of every estimate (a faster rung within it that loses more is not taken).
 2. One llama-perplexity run on the text in emulate mode with `policy=fetch-all` and every expert resident, writing
    the router trace (`trace=`, `trace_top` = n_expert: substitutes replay exactly) and the NLL dump: fetch-all never
    substitutes, so this run is the full model's (bit-identical to the cache off) and the reference of every paired
@@ -16,7 +18,8 @@ profile that `--moe-cache auto` reads (docs/expert-cache.md, "Tuned profile").
    every rung it leans on is run in emulate mode (NLL dump, paired block-bootstrap delta-PPL with a 95% CI, as
    compare and sweep do). The presets (quality, speed, fetch-all) are in the table too: quality and speed run in
    emulate mode; fetch-all, like the fetch-all rung, is the full model's output (it never substitutes), not run.
-5. `--measure`: llama-bench with the engine (decode, interleaved repetitions) for the choice and the presets.
+5. `--measure`: llama-bench with the engine (decode: a warm-up process each, then `--runs` processes interleaved,
+   checked and measured again as the decode rate is) for the choice and the presets.
 6. The profile: next to the model (`<model>.moe-tune.json`) where its folder is writable, else in the user's cache
    folder under the model's file name and fingerprint (domain.tune.profile_locations); `report.md`, `results.jsonl`
    (the runs, resumable) and `sim.jsonl` (every replay's counters) in `--out`.
@@ -28,8 +31,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ from harness.domain.tune import (
     BOUND_ON,
     CHAINS,
     HOSTS,
+    SPEED_RUNS,
     TUNE_PRESETS,
     Candidate,
     CheckRow,
@@ -50,6 +55,7 @@ from harness.domain.tune import (
     ModelIdentity,
     Rung,
     SimPoint,
+    SpeedCheck,
     TuneChoice,
     TuneOptions,
     TuneProfile,
@@ -58,6 +64,8 @@ from harness.domain.tune import (
     bisect_chain,
     chain_rungs,
     check_profile_model,
+    compute_ms_span,
+    cv_label,
     estimate_ms,
     machine_profile,
     parse_tune_profile,
@@ -65,6 +73,7 @@ from harness.domain.tune import (
     profile_locations,
     profile_to_json,
     residency_label,
+    stability_line,
     tune_cache_dir,
     tune_candidates,
     within_bound,
@@ -76,11 +85,19 @@ from harness.orchestration.simulate import SimRunner, check_trace_matches, per_t
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.parsers.sim import SimRun
-from harness.stats.intervals import DeltaPPL, MeanCI, mean_ci, paired_delta_ppl
+from harness.stats.intervals import DeltaPPL, MeanCI, paired_delta_ppl
 from harness.tools.requests import BenchRequest, CacheSpec, Placement, Runner
 
 COMPUTE = "compute"  # the decode run with the cache off, every weight in memory
 COMPUTE_TOKENS = 16
+COMPUTE_WHAT = "decode in memory, cache off"
+COMPUTE_RUNS = SPEED_RUNS
+
+Warn = Callable[[str], None]  # a one-line warning, shown when it happens (the CLI: above the progress bar)
+
+
+def stderr_warn(line: str) -> None:
+    print(f"harness: warning: {line}", file=sys.stderr, flush=True)
 
 
 class TuneEnvironment(Environment):
@@ -147,12 +164,16 @@ def _lost_mass(run: SimRun) -> float:
     return (float(t.get("subst_mass_sum") or 0.0) + float(t.get("drop_mass_sum") or 0.0)) / n if n else 0.0
 
 
-def sim_point(c: Candidate, run: SimRun, info: ModelInfo, profile: Profile) -> SimPoint:
+def sim_point(c: Candidate, run: SimRun, info: ModelInfo, profile: Profile,
+              span: tuple[Profile, Profile] | None = None) -> SimPoint:
+    """`span`: the profiles at the two ends of the decode rate's 95% CI (the estimate's span)."""
     fetches = per_token(run, "fetches")
     background = per_token(run, "admissions") + per_token(run, "prefetches")
     hit = run.doc["total"].get("hit_rate")
+    est_span = (estimate_ms(span[0], info, fetches, background), estimate_ms(span[1], info, fetches, background)) \
+        if span else None
     return SimPoint(c, fetches, background, _lost_mass(run), float(hit) if isinstance(hit, (int, float)) else 0.0,
-                    estimate_ms(profile, info, fetches, background))
+                    estimate_ms(profile, info, fetches, background), est_span)
 
 
 def _preset_candidate(preset: str, fraction: float, slots: int) -> Candidate:
@@ -183,6 +204,11 @@ class _Runs:
         req = o.perplexity_request(self.model, self.text, Placement(n_cpu_moe=999), cache=cache,
                                    nll_dump=o.out / "nll" / f"{safe_name(label)}.bin", label=label)
         return RunSpec(f"ppl:{label}", "ppl", "patched", label, None, ppl=req)
+
+    def speeds_of(self, keys: Sequence[str]) -> list[float]:
+        """tokens/s of the decode test of each recorded bench run among `keys` (one process each), in their order."""
+        by_key = {str(r.get("key")): r for r in self.results.read() if r.get("kind") == "bench"}
+        return [float(t["avg_ts"]) for k in keys if k in by_key for t in by_key[k]["tests"] if t["n_gen"] > 0]
 
     def record(self, config: str, kind: str = "ppl") -> dict[str, Any]:
         rec = next((r for r in self.results.read() if r.get("kind") == kind and r.get("config") == config), None)
@@ -225,6 +251,43 @@ def _run_spec_string(c: Candidate, host: str) -> str:
     return _engine_cache(c, host).render()
 
 
+def _speeds(runs: _Runs, configs: Sequence[tuple[str, str, BenchRequest]], n: int, warn: Warn,
+            notes: list[str]) -> dict[str, SpeedCheck]:
+    """Each configuration's decode speed (name, what to call it, its llama-bench request of one repetition): a warm-up
+    process each (`bench:NAME:warmup`, discarded: the model's pages, the CPU's clock), then `n` processes each,
+    interleaved (`bench:NAME:REP`); when any one's CV is above SPEED_CV_WARN, a warning line and the `n` processes of
+    every configuration again (`bench:NAME:again:REP`; they then stand for all, measured under the same conditions);
+    still above: a second line, and a note. The process is the sample. Every run is recorded (resumable)."""
+    def spec(name: str, req: BenchRequest, key: str, rep: int | None) -> RunSpec:
+        return RunSpec(f"bench:{name}:{key}", "bench", "patched", name, rep, bench=req)
+
+    def round_of(tag: str, first_rep: int) -> dict[str, list[str]]:
+        keys = {name: [f"{tag}{i}" for i in range(n)] for name, _, _ in configs}
+        runs.run([spec(name, req, keys[name][i], first_rep + i) for i in range(n) for name, _, req in configs])
+        return {name: [f"bench:{name}:{k}" for k in ks] for name, ks in keys.items()}
+
+    runs.run([spec(name, req, "warmup", None) for name, _, req in configs])
+    first = {name: runs.speeds_of(keys) for name, keys in round_of("", 0).items()}
+    checks = {name: SpeedCheck(what, tuple(first[name])) for name, what, _ in configs if first[name]}
+    bad = [c for c in checks.values() if not c.stable]
+    if not bad:
+        return checks
+    warn(stability_line(bad, again=False))
+    again = {name: runs.speeds_of(keys) for name, keys in round_of("again:", n).items()}
+    checks = {name: SpeedCheck(what, tuple(again[name]), tuple(first[name])) for name, what, _ in configs
+              if again[name]}
+    still = [c for c in checks.values() if not c.stable]
+    if still:
+        line = stability_line(still, again=True)
+        warn(line)
+        notes.append(line)
+    else:
+        notes.append("the first round of decode measurements was unstable (" +
+                     "; ".join(f"{c.what}: CV {cv_label(c.cv)}" for c in bad) +
+                     "): measured again, stable; the re-run's processes are the measurement")
+    return checks
+
+
 def _resolved(opts: TuneOptions) -> tuple[Path, Path]:
     if opts.model is None or opts.text is None:
         raise HarnessError("no model or text given")  # tune() fills in the defaults
@@ -232,7 +295,7 @@ def _resolved(opts: TuneOptions) -> tuple[Path, Path]:
 
 
 def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo, *, env: TuneEnvironment,
-             progress: Progress = no_progress) -> TuneResult:
+             progress: Progress = no_progress, warn: Warn = stderr_warn) -> TuneResult:
     t0 = time.perf_counter()
     model, text = _resolved(opts)
     if not text.is_file():
@@ -242,6 +305,9 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     if opts.measure_grid < 0 or (opts.measure_grid and not opts.measure):
         raise HarnessError(f"--measure-grid {opts.measure_grid}: a count of grid points to measure, 0 or more, "
                            "with --measure")
+    if opts.measure and opts.runs < 2:
+        raise HarnessError(f"--runs {opts.runs}: at least 2 processes per configuration (a spread needs two; "
+                           f"{SPEED_RUNS} or more recommended)")
     candidates = tune_candidates(opts.grid, info)
     notes: list[str] = []
 
@@ -273,11 +339,6 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
                            (("trace", str(trace)), ("trace_top", str(info.n_expert))))
     first = [runs.ppl_spec(FULL, full_cache)]
     bench_threads, why = (opts.threads, "given") if opts.threads else env.default_threads()
-    if not facts.gpus:
-        notes.append(f"decode runs (llama-bench) use {bench_threads} thread{'s' if bench_threads != 1 else ''} ({why})")
-        first.append(RunSpec(f"bench:{COMPUTE}", "bench", "patched", COMPUTE, None,
-                             bench=BenchRequest(model, Placement(), n_prompt=0, n_gen=COMPUTE_TOKENS, repetitions=1,
-                                                threads=bench_threads, label=COMPUTE)))
     runs.run(first)
     if not trace.is_file():  # a resumed folder without its trace (not committed: tens of MB): record it again
         progress(0, 1, "router trace (again)")
@@ -287,11 +348,19 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
         if not trace.is_file():
             raise HarnessError(f"tune: the full model's run wrote no router trace at {trace}")
     check_trace_matches(trace, info)
-    if not facts.gpus:
-        tg = [t for t in runs.record(COMPUTE, "bench")["tests"] if t["n_gen"] > 0]
-        if tg:
-            facts = replace(facts, compute_ms_per_token=1000.0 / float(tg[0]["avg_ts"]))
+    speeds: dict[str, SpeedCheck] = {}
     base = load_profile(opts.base_profile)
+    span: tuple[Profile, Profile] | None = None
+    if not facts.gpus:
+        notes.append(f"decode runs (llama-bench) use {bench_threads} thread{'s' if bench_threads != 1 else ''} ({why})")
+        req = BenchRequest(model, Placement(), n_prompt=0, n_gen=COMPUTE_TOKENS, repetitions=1, threads=bench_threads,
+                           label=COMPUTE)
+        speeds = _speeds(runs, [(COMPUTE, COMPUTE_WHAT, req)], COMPUTE_RUNS, warn, notes)
+        if COMPUTE in speeds:
+            ms, ms_fast, ms_slow = compute_ms_span(speeds[COMPUTE].samples)
+            facts = replace(facts, compute_ms_per_token=ms)
+            span = (machine_profile(replace(facts, compute_ms_per_token=ms_fast), info, base, host)[0],
+                    machine_profile(replace(facts, compute_ms_per_token=ms_slow), info, base, host)[0])
     profile, sources = machine_profile(facts, info, base, host)
 
     # 3. every candidate replayed, with the presets
@@ -302,8 +371,9 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     with sim_log.open("w", buffering=1) as log:  # line by line: a long search can be watched
         def replay(c: Candidate, spec: str) -> SimPoint:
             run = sim.simulate(trace, spec)
-            p = sim_point(c, run, info, profile)
-            log.write(json.dumps({"spec": spec, "est_ms_per_token": p.est_ms, "fetches_per_token": p.fetches,
+            p = sim_point(c, run, info, profile, span)
+            log.write(json.dumps({"spec": spec, "est_ms_per_token": p.est_ms, "est_ms_span": p.span,
+                                  "fetches_per_token": p.fetches,
                                   "background_per_token": p.background, "lost_mass": p.lost_mass,
                                   "total": run.doc["total"]}) + "\n")
             return p
@@ -378,13 +448,15 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
 
     # 5. --measure: decode with the engine, the choice and the presets interleaved
     if opts.measure:
-        rows, choices = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
-                                 bench_threads, pools)
+        rows, choices, measured = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
+                                           bench_threads, pools, warn, notes)
+        speeds.update(measured)
 
     # 6. the profile
     profile_doc = TuneProfile(identity, opts.max_delta_pct, BOUND_ON[opts.strict], host, facts, asdict(profile),
                               tuple(choices), str(text), opts.n_ctx, opts.chunks, utc_now(),
-                              {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series})
+                              {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series},
+                              tuple(speeds.values()))
     target = profile_target(opts, model, identity.fingerprint, env)
     doc = profile_to_json(profile_doc)
     for path in dict.fromkeys((target, opts.out / "profile.moe-tune.json")):
@@ -394,17 +466,19 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
         except OSError as e:
             raise HarnessError(f"cannot write the tuned profile {path}: {e.strerror or e}") from None
     return TuneResult(opts, identity, host, facts, profile, sources, len(points) + len(presets), tuple(frontier),
-                      tuple(rows), tuple(choices), target, results.path, time.perf_counter() - t0, tuple(notes))
+                      tuple(rows), tuple(choices), target, results.path, time.perf_counter() - t0, tuple(notes),
+                      tuple(speeds.values()))
 
 
 def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, rows: list[CheckRow],
              choices: list[TuneChoice], points: Sequence[SimPoint],
-             presets: dict[tuple[str, float], SimPoint], threads: int,
-             pools: dict[float, list[SimPoint]]) -> tuple[list[CheckRow], list[TuneChoice]]:
-    """llama-bench tg with the engine, `runs` repetitions interleaved, for the choice and the presets, and with
-    --measure-grid N the N fastest estimated grid points within the bound (rows of role "grid": their delta-PPL is
-    their rung's emulate check where one ran). On a CPU build without repacking: the engine copies experts slot by
-    slot from their plain layout (README)."""
+             presets: dict[tuple[str, float], SimPoint], threads: int, pools: dict[float, list[SimPoint]],
+             warn: Warn, notes: list[str]) -> tuple[list[CheckRow], list[TuneChoice], dict[str, SpeedCheck]]:
+    """llama-bench tg with the engine for the choice and the presets, and with --measure-grid N the N fastest
+    estimated grid points within the bound (rows of role "grid": their delta-PPL is their rung's emulate check where
+    one ran): a warm-up process each, then `runs` processes each interleaved, their CV checked and measured again
+    once when unstable (`_speeds`). On a CPU build without repacking: the engine copies experts slot by slot from
+    their plain layout (README)."""
     by_name = {p.candidate.name: p.candidate for p in points}
     configs: list[tuple[str, Candidate]] = []
     for r in rows:
@@ -427,28 +501,21 @@ def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, 
             configs.append((c.name, c))
     rows = rows + grid_rows
     extra = ("--repack", "0") if host == "file" or cpu else ()
-    specs = [RunSpec(f"bench:{name}:{rep}", "bench", "patched", name, rep,
-                     bench=BenchRequest(model, Placement(), n_prompt=0, n_gen=opts.n_gen, repetitions=1,
-                                        threads=threads, cache=_engine_cache(c, host), extra_args=extra,
-                                        label=name))
-             for rep in range(opts.runs) for name, c in configs]
-    runs.run(specs)
-    speeds: dict[str, MeanCI] = {}
-    for name, _ in configs:
-        ts = [float(t["avg_ts"]) for r in runs.results.read() if r.get("kind") == "bench" and r.get("config") == name
-              for t in r["tests"] if t["n_gen"] > 0]
-        if ts:
-            speeds[name] = mean_ci(ts)
+    checks = _speeds(runs, [(name, f"decode with the engine, {name}",
+                             BenchRequest(model, Placement(), n_prompt=0, n_gen=opts.n_gen, repetitions=1,
+                                          threads=threads, cache=_engine_cache(c, host), extra_args=extra, label=name))
+                            for name, c in configs], opts.runs, warn, notes)
+    speeds: dict[str, MeanCI] = {name: c.ci for name, c in checks.items()}
     rows = [replace(r, measured=speeds.get(r.name)) for r in rows]
     out: list[TuneChoice] = []
     for ch in choices:
         row = next(r for r in rows if r.role == "chosen" and r.fraction == ch.fraction)
         out.append(replace(ch, measured_tokens_per_s=row.measured.mean if row.measured else None))
-    return rows, out
+    return rows, out, {f"measure:{name}": c for name, c in checks.items()}
 
 
 def tune(opts: TuneOptions, progress: Progress = no_progress, *, runner: Runner | None = None,
-         sim: SimRunner | None = None, env: TuneEnvironment | None = None) -> TuneResult:
+         sim: SimRunner | None = None, env: TuneEnvironment | None = None, warn: Warn = stderr_warn) -> TuneResult:
     """`harness tune`: resolve the default model and text, run (or resume) the tune, write report.md."""
     from harness.core.project import get_build
     from harness.orchestration.compare import default_model, resolve_text
@@ -462,6 +529,6 @@ def tune(opts: TuneOptions, progress: Progress = no_progress, *, runner: Runner 
     model, _ = _resolved(opts)
     info = read_model_info(model)
     result = run_tune(opts, runner or ToolRunner(), sim or ToolSimRunner(get_build("patched")), info,
-                      env=env or TuneEnvironment(), progress=progress)
+                      env=env or TuneEnvironment(), progress=progress, warn=warn)
     (opts.out / "report.md").write_text(render_tune_markdown(result))
     return result

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from harness.domain.tune import CheckRow, TuneResult, grid_verdict, residency_label
+from harness.domain.tune import (
+    SPEED_CV_WARN,
+    CheckRow,
+    SpeedCheck,
+    TuneResult,
+    cv_label,
+    grid_verdict,
+    residency_label,
+    speed_cv,
+)
 
 
 def _delta(r: CheckRow) -> str:
@@ -20,18 +29,38 @@ def _measured(r: CheckRow) -> str:
         return "-"
     if m.n < 2:
         return f"{m.mean:.1f} (1 run)"
-    return f"{m.mean:.1f} ± {m.high - m.mean:.1f}"
+    unstable = not (m.cv <= SPEED_CV_WARN)
+    return f"{m.mean:.1f} ± {m.high - m.mean:.1f}" + (f" (UNSTABLE: CV {cv_label(m.cv)})" if unstable else "")
+
+
+def stability_lines(res: TuneResult) -> list[str]:
+    """One line when a speed measured stayed unstable after its re-run (the choice rests on it), else none."""
+    bad = [c for c in res.speeds if not c.stable]
+    if not bad:
+        return []
+    return [f"**UNSTABLE measurement**: {'; '.join(f'{c.what}, CV {cv_label(c.cv)}' for c in bad)} (above "
+            f"{SPEED_CV_WARN * 100:g}% after a re-run): the choice rests on it; tune again on an idle machine.", ""]
+
+
+def _speed_row(c: SpeedCheck) -> str:
+    ci = c.ci
+    pm = f" ± {ci.half_width:.1f}" if ci.n >= 2 else ""
+    first = f"yes (first round: CV {cv_label(speed_cv(c.first))})" if c.rerun else "no"
+    return (f"| {c.what} | {ci.n} | {ci.mean:.1f}{pm} | {cv_label(c.cv)} | {first} | "
+            f"{'stable' if c.stable else '**UNSTABLE**'} |")
 
 
 def summary_lines(res: TuneResult) -> list[str]:
     """The choice against the presets per residency: estimated speed, measured delta-PPL, measured speed."""
     o = res.opts
     lines = [f"## harness tune: {res.identity.file_name}, delta-PPL at most +{o.max_delta_pct:g}%", "",
+             *stability_lines(res),
              f"Tier the misses come from: `host={res.host}`. Estimated t/s: the simulator's counters on the cost "
              "model with this machine's measured rates (an ESTIMATE, not a measurement). delta-PPL: emulate mode, "
              "paired against the full model on the same tokens, 95% block-bootstrap CI over chunks; the bound holds "
              f"on the {'95% CI upper end (--strict)' if o.strict else 'point estimate'}."
-             + (" Measured t/s: llama-bench decode with the engine, mean ± 95% CI half-width over the runs."
+             + (f" Measured t/s: llama-bench decode with the engine, mean ± 95% CI half-width over {o.runs} "
+                "processes after a discarded warm-up (the process is the sample)."
                 if o.measure else " Measured t/s: not run (`--measure`)."), ""]
     for ch in res.choices:
         lines += [f"### Residency {ch.residency} ({ch.slots} of {ch.n_expert} experts per layer)", "",
@@ -72,6 +101,14 @@ def render_tune_markdown(res: TuneResult) -> str:
              f"{res.identity.n_moe_layers} MoE layers of {res.identity.n_expert} experts, "
              f"{res.identity.n_expert_used} per token. Text: {o.text}, {o.chunks or 'all'} chunks of {o.n_ctx}.", ""]
     lines += summary_lines(res)[2:]
+    if res.speeds:
+        lines += ["", "## Measurement stability", "",
+                  "Each speed: a discarded warm-up process, then repeated processes (the process is the sample); "
+                  f"pyperf's rule: a coefficient of variation (sd / mean) above {SPEED_CV_WARN * 100:g}% is unstable, "
+                  "measured again once (the re-run's processes are then the measurement). tokens/s: mean ± 95% CI "
+                  "half-width.", "",
+                  "| measurement | processes | tokens/s | CV | re-run | verdict |", "|---|---:|---:|---:|---|---|"]
+        lines += [_speed_row(c) for c in res.speeds]
     lines += ["", "## This machine", "",
               "| fact | value |", "|---|---|",
               f"| CPUs | {m.cpus} |",
@@ -83,7 +120,8 @@ def render_tune_markdown(res: TuneResult) -> str:
                      f"{'O_DIRECT' if m.disk_direct else 'buffered'} |")
     lines.append(f"| host memory copy | {m.host_copy_gbs:.2f} GB/s |")
     if m.compute_ms_per_token is not None:
-        lines.append(f"| decode in memory, cache off | {m.compute_ms_per_token:.3f} ms per token |")
+        lines.append(f"| decode in memory, cache off | {m.compute_ms_per_token:.3f} ms per token (the processes' "
+                     "mean, \"Measurement stability\"; each estimate's span: at the ends of its 95% CI) |")
     p = res.cost_profile
     lines += ["", "The cost model's constants (`harness.domain.costmodel`):", "",
               "| constant | value | from |", "|---|---:|---|"]
