@@ -319,7 +319,7 @@ def test_auto_runs_the_tuned_policy(patched_build: Build, synth_text_file: Path,
     model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
                               tmp_path / "m.gguf")
     cache = tmp_path / "cache"
-    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 150 * MiB)),
+    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 120 * MiB)),
            "MOE_SUBST_CACHE": str(cache)}
     stats = tmp_path / "s.json"
 

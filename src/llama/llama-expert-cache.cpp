@@ -41,8 +41,9 @@ llama_expert_cache::llama_expert_cache(std::unique_ptr<llama_expert_cache_impl> 
 
 llama_expert_cache::~llama_expert_cache() = default;
 
-std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory) {
-    auto impl = llama_expert_cache_impl::from_env(model, memory);
+std::unique_ptr<llama_expert_cache> llama_expert_cache::from_env(const llama_model & model, const llama_memory_i * memory,
+        const llama_cparams & cparams) {
+    auto impl = llama_expert_cache_impl::from_env(model, memory, cparams);
     return impl ? std::make_unique<llama_expert_cache>(std::move(impl)) : nullptr;
 }
 
@@ -99,7 +100,7 @@ std::string llama_expert_cache_auto_line(const llama_model & model) {
 //
 
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
-        const char * spec);
+        const llama_cparams & cparams, const char * spec);
 
 // LLAMA_MOE_CACHE_TEST_REPLAY replaces the routing in the cache's route step: a run without the cache would ignore it
 // and look like a replayed one
@@ -111,7 +112,8 @@ static void replay_needs_cache(const llama_model & model) {
     }
 }
 
-std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory) {
+std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const llama_model & model, const llama_memory_i * memory,
+        const llama_cparams & cparams) {
     if (!model.hparams.no_alloc) {
         expert_cache_set_auto_line(model, ""); // this context's plan line, if auto makes one
     }
@@ -126,19 +128,19 @@ std::unique_ptr<llama_expert_cache_impl> llama_expert_cache_impl::from_env(const
         // the real context, whose outcome alone counts (the probe loads without mmap and may count the weights
         // differently: it must not refuse a budget that the real context accepts, nor the reverse)
         try {
-            return expert_cache_create(model, memory, spec);
+            return expert_cache_create(model, memory, cparams, spec);
         } catch (const std::exception & e) {
             LLAMA_LOG_DEBUG("%s: the memory-fitting probe plans without the expert cache: %s\n", __func__, e.what());
             return nullptr;
         }
     }
-    return expert_cache_create(model, memory, spec);
+    return expert_cache_create(model, memory, cparams, spec);
 }
 
 // `--moe-cache auto`: the spec chosen from the model's and the machine's facts (llama-expert-auto.h), its plan logged in
 // one line with why; the keys the user gave after `auto` override the plan's
 static std::string expert_cache_auto_spec(const llama_model & model, const char * spec, const std::string & rest,
-        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem) {
+        const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const llama_cparams & cparams) {
     // the user's keys that the decision reads (vram_reserve, readers, policy), parsed alone; defaults where not given
     // or not valid (the composed spec is parsed, and refused in one line, below)
     llama_expert_cache_config given;
@@ -148,10 +150,14 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
         given = llama_expert_cache_config();
     }
     const bool policy_given = llama_expert_auto_user_gives(rest, "policy");
-    const llama_expert_auto_model facts = llama_expert_engine_auto_facts(model, ctx_mem);
+    const bool reserve_given = llama_expert_auto_user_gives(rest, "vram_reserve");
+    llama_expert_auto_model facts = llama_expert_engine_auto_facts(model, ctx_mem);
+    facts.n_ctx    = cparams.n_ctx;
+    facts.n_batch  = cparams.n_batch;
+    facts.n_ubatch = cparams.n_ubatch;
     const llama_expert_machine machine = llama_expert_machine_current();
     llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
-        given.vram_reserve, given.readers, policy_given ? given.preset : "", policy_given);
+        reserve_given ? given.vram_reserve : 0, given.readers, policy_given ? given.preset : "", policy_given);
     if (!plan.err.empty()) {
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + plan.err);
     }
@@ -204,7 +210,11 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
     if (!model.hparams.no_alloc) {
         // a warning, so that the tools show it at their default verbosity (common shows libllama's info lines only
         // from -lv 4): the user sees what auto chose and why, in one line
-        const std::string line = std::string(plan.off ? "off" : run) + ": " + plan.why;
+        const std::string overridden = llama_expert_auto_overridden(plan, rest);
+        const bool forced = plan.off && llama_expert_auto_user_gives(rest, "mode");
+        const std::string line = std::string(plan.off && !forced ? "off" : run) + ": " + plan.why +
+            (forced ? " (the user's mode= runs the cache all the same)" : "") +
+            (overridden.empty() ? "" : " (the user's keys replace the plan's " + overridden + ")");
         LLAMA_LOG_WARN("llama_expert_cache: auto: %s\n", line.c_str());
         expert_cache_set_auto_line(model, line);
     }
@@ -212,14 +222,14 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
 }
 
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
-        const char * spec_env) {
+        const llama_cparams & cparams, const char * spec_env) {
     std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
     if (memory) {
         ctx_mem = memory->memory_breakdown();
     }
     std::string rest;
     const std::string spec_auto = llama_expert_auto_requested(spec_env, rest) ?
-        expert_cache_auto_spec(model, spec_env, rest, ctx_mem) : std::string();
+        expert_cache_auto_spec(model, spec_env, rest, ctx_mem, cparams) : std::string();
     const char * spec = spec_auto.empty() ? spec_env : spec_auto.c_str();
     llama_expert_cache_config cfg;
     std::string err;
