@@ -86,12 +86,11 @@ def test_a_model_that_fits_stays_off(patched_build: Build, synth_text_file: Path
 @pytest.mark.build
 def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, synth_text_file: Path,
                                                           tmp_path: Path) -> None:
-    """96 MiB of experts under a (fake) 130 MiB memory cgroup (139 MiB with everything): the file tier, ram= the limit
-    less 10%, the plan's slots; the spec it names, given by hand, takes the same decisions; the user's keys after auto
-    win."""
+    """144 MiB of experts under a (fake) 130 MiB memory cgroup: the file tier, ram= the limit less 10%, the plan's
+    slots; the spec it names, given by hand, takes the same decisions; the user's keys after auto win."""
     from harness.parsers.cache_plan import parse_cache_plan
 
-    model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=48, n_expert_used=4, n_embd=256, n_ff_exp=512),
                               tmp_path / "m.gguf")
     env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 130 * MiB))}
     stats = tmp_path / "auto.json"
@@ -104,7 +103,7 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
     assert int(m[2]) == (130 * MiB - 130 * MiB // 100 * 10) >> 20  # the limit less the 10% margin, in whole MiB
     assert "the memory cgroup /job (v2, limit 130.0 MiB" in line and "runs from the file tier" in line, line
     assert "policy quality (no tuned profile)" in line
-    slots = int(re.search(r"file tier: (\d+) of 32 experts per layer", line)[1])  # type: ignore[index]
+    slots = int(re.search(r"file tier: (\d+) of 48 experts per layer", line)[1])  # type: ignore[index]
     plan = parse_cache_plan(out)
     assert plan.key == "ram" and plan.budget == int(m[2]) * MiB and plan.slots == slots
     cfg = json.loads(stats.read_text())["config"]
@@ -134,6 +133,32 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
     rc, out, stock_logits = _run(patched_build, model, synth_text_file, tmp_path,
                                  {**env, "LLAMA_MOE_CACHE": "mode=off"})
     assert rc == 0 and tiny_logits == stock_logits
+
+
+@pytest.mark.build
+def test_near_the_fit_runs_stock_and_names_the_file_tier(patched_build: Build, synth_text_file: Path,
+                                                         tmp_path: Path) -> None:
+    """Issue 35: a model file of 98.6 MiB in a (fake) 130 MiB limit, 139 MiB with its context, compute buffers and
+    runtime: near the fit, where stock's page cache can hold the hot experts (studymoe in 96 MiB: stock 1.75x the
+    file tier), auto runs stock (its output is stock's) and the line gives the file tier's spec, which runs as given,
+    and the command that measures both."""
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
+                              tmp_path / "m.gguf")
+    env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 130 * MiB))}
+    rc, out, stock = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "mode=off"})
+    assert rc == 0 and stock
+    rc, out, logits = _run(patched_build, model, synth_text_file, tmp_path,
+                           {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"})
+    assert rc == 0, out[-3000:]
+    line = _auto_line(out)
+    assert line.startswith("off: near the fit: the model file (98.6 MiB) fits in the 130.0 MiB"), line
+    assert "runs stock" in line and "`harness compare --ram 130M` measures both" in line, line
+    assert logits == stock
+    spec = re.search(r"--moe-cache (\S+)\)", line)
+    assert spec and "host=file,ram=117M" in spec[1], line
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path,
+                      {**env, "LLAMA_MOE_CACHE": f"{spec[1]},vram_reserve=16M"})
+    assert rc == 0 and "llama_expert_cache: " in out, out[-3000:]
 
 
 @pytest.mark.build

@@ -316,7 +316,8 @@ def _auto_line(out: str) -> str:
 
 @pytest.mark.build
 def test_auto_runs_the_tuned_policy(patched_build: Build, synth_text_file: Path, tmp_path: Path) -> None:
-    model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
+    # 147 MiB of model file in a 120 MiB limit: the file tier (a file that fits is near the fit: stock)
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=48, n_expert_used=4, n_embd=256, n_ff_exp=512),
                               tmp_path / "m.gguf")
     cache = tmp_path / "cache"
     env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 120 * MiB)),
@@ -333,11 +334,11 @@ def test_auto_runs_the_tuned_policy(patched_build: Build, synth_text_file: Path,
     # without a profile: quality, and the slots it planned
     line, cfg = run("auto")
     assert "policy quality (no tuned profile)" in line and cfg["policy"] == "quality", line
-    slots = int(re.search(r"file tier: (\d+) of 32 experts per layer", line)[1])  # type: ignore[index]
+    slots = int(re.search(r"file tier: (\d+) of 48 experts per layer", line)[1])  # type: ignore[index]
     assert cfg["slots"] == slots
 
     # harness's own writer, the model's identity: the entry at the planned slots, not the one above them
-    mine = ModelIdentity("synth", model.name, model.stat().st_size, f"{model_fingerprint(model):016x}", 32, 4, 2)
+    mine = ModelIdentity("synth", model.name, model.stat().st_size, f"{model_fingerprint(model):016x}", 48, 4, 2)
     beside, cached, legacy = profile_locations(model, tune_cache_dir({"MOE_SUBST_CACHE": str(cache)}, Path.home()),
                                                f"{model_fingerprint(model):016x}")
     beside.write_text(profile_to_json(_profile(mine, slots=(slots + 1, slots))))

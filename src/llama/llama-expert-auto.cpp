@@ -125,8 +125,16 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         }
         const std::string what = auto_format("the model (%.1f MiB with its context, %s, and the runtime) is more "
             "than the %s, so it", stock_ram/MiB, reserve_facts.c_str(), ram_facts.c_str());
+        // near the fit: the model file fits in what the process may use, and only the context, compute buffers and
+        // runtime do not. Stock's page cache then holds the experts the text uses and gives back the rest under
+        // pressure, while the file tier holds what its budget less the margin allows: which is faster depends on the
+        // routing's locality (studymoe in 96 MiB: stock 1.75x the file tier; a random-routing model of 196 MiB in
+        // 200 MiB: the file tier 3.7x stock; eval/auto-vs-stock). Sizes cannot tell, so auto leaves the model to
+        // stock, never slower than stock, and the line gives the file tier's spec and the command that measures both
+        const uint64_t file_bytes = host_weights + m.experts;
+        const bool     near_fit   = known && file_bytes <= usable;
         const std::string refusal = file_tier_refusal(what.c_str());
-        if (!refusal.empty()) {
+        if (!refusal.empty() && !near_fit) {
             return auto_error(refusal);
         }
         llama_expert_budget b;
@@ -161,6 +169,15 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
             p.keys.emplace_back("vram_reserve", auto_mib(compute + output));
         }
         p.policy_why = policy_why;
+        if (near_fit) {
+            return auto_off(auto_format("near the fit: the model file (%.1f MiB) fits in the %s, and with its context, "
+                "%s, and the runtime (%.1f MiB) it does not: stock's page cache holds the experts in use and gives back "
+                "the rest, so the model runs stock. Whether the file tier (%d of %d experts per layer in RAM: "
+                "--moe-cache %s%s) is faster here depends on the routing's locality: `harness compare --ram %s` "
+                "measures both", file_bytes/MiB, ram_facts.c_str(), reserve_facts.c_str(), stock_ram/MiB, n,
+                m.n_expert, p.spec().c_str(), refusal.empty() ? "" : ", which needs --no-repack (-nr) and mmap",
+                auto_mib(usable).c_str()));
+        }
         p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM (ram= that less "
             "a %d%% margin), the rest read from the model file; %s", what.c_str(), n, m.n_expert,
             LLAMA_EXPERT_AUTO_MARGIN_PCT, policy_why.c_str());

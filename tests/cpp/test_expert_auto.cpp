@@ -218,7 +218,11 @@ static void test_compute_estimate() {
     llama_expert_auto_plan p = llama_expert_auto_decide(m, 450*MiB, "cg", 0, 4, "");
     CHECK(p.off && p.err.empty() && has(p.why, "15 MiB for the compute buffers at ubatch 512"));
     CHECK(has(p.why, "16 MiB for the logits of a batch of 2048"));
-    CHECK(!llama_expert_auto_decide(m, 450*MiB, "cg", RESERVE, 4, "").off); // the old reserve: the file tier
+    // the old fixed reserve in the same limit: the file (298 MiB) fits and the rest does not, near the fit: stock,
+    // the line naming the file tier's spec and the command that measures both
+    p = llama_expert_auto_decide(m, 450*MiB, "cg", RESERVE, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "near the fit: the model file (298.0 MiB)"));
+    CHECK(has(p.why, "--moe-cache mode=engine,policy=quality,host=file,ram=405M") && has(p.why, "harness compare --ram 450M"));
     // bigger than the limit: the file tier, the estimate written as vram_reserve=
     p = llama_expert_auto_decide(m, 200*MiB, "cg", 0, 4, "");
     CHECK(!p.off && p.err.empty() && has(p.spec(), ",vram_reserve=31M") && parses(p.spec()));
@@ -228,6 +232,43 @@ static void test_compute_estimate() {
     // too small for k slots: stock, the line naming the reserve and the flags that shrink it
     p = llama_expert_auto_decide(m, 40*MiB, "cg", 0, 4, "");
     CHECK(p.off && p.err.empty() && has(p.why, "vram_reserve=31M") && has(p.why, "-ub") && has(p.why, "runs stock"));
+}
+
+// near the fit (issue 35): the model file fits in what the process may use, the model with its context and compute
+// buffers does not. Stock's page cache may hold the hot experts better than the file tier's budget (studymoe in 96 MiB:
+// stock 1.75x), so auto runs stock there, and the file tier only where the file itself does not fit
+static void test_near_the_fit() {
+    llama_expert_auto_model m;
+    m.n_expert = 512; m.k = 10; m.n_vocab = 8192; m.n_embd = 256; m.n_ff_exp = 32; m.n_ctx = 512;
+    m.n_ubatch = 8; m.n_batch = 8;  // a decode's (llama-bench -n): 1 MiB of compute buffers, 1 MiB of logits
+    m.per_slot = 6*3*32*256 + 6*3*32*34; m.experts = m.per_slot*512; m.n_banks = 18; m.max_slice = 8704;
+    m.weights = 7*MiB; m.context = 2*MiB;
+    const uint64_t file = m.weights + m.experts;
+    // 10 MiB above the file: near the fit, stock; the line gives the file tier's spec, which parses
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, file + 10*MiB, "cg", 0, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "near the fit") && has(p.why, "runs stock"));
+    const size_t at = p.why.find("--moe-cache ");
+    CHECK(at != std::string::npos);
+    if (at != std::string::npos) {
+        const std::string spec = p.why.substr(at + 12, p.why.find(')', at) - at - 12);
+        CHECK(has(spec, "host=file,ram=") && parses(spec));
+    }
+    // below the file: the file tier, as before
+    p = llama_expert_auto_decide(m, file - 10*MiB, "cg", 0, 4, "");
+    CHECK(!p.off && p.err.empty() && has(p.why, "runs from the file tier"));
+    // everything fits: off, stock is as fast (not "near the fit")
+    p = llama_expert_auto_decide(m, file + 200*MiB, "cg", 0, 4, "");
+    CHECK(p.off && has(p.why, "stock is as fast") && !has(p.why, "near the fit"));
+    // near the fit, a repacked or unmapped model is not refused (stock runs it); the line says what the file tier needs
+    llama_expert_auto_model r = m;
+    r.repacked = true;
+    p = llama_expert_auto_decide(r, file + 10*MiB, "cg", 0, 4, "");
+    CHECK(p.off && p.err.empty() && has(p.why, "--no-repack"));
+    p = llama_expert_auto_decide(r, file - 10*MiB, "cg", 0, 4, "");
+    CHECK(!p.err.empty() && has(p.err, "--no-repack"));
+    // no memory facts: nothing is near anything (the file tier is never chosen without a limit)
+    p = llama_expert_auto_decide(m, UINT64_MAX, "none", 0, 4, "");
+    CHECK(p.off && !has(p.why, "near the fit"));
 }
 
 // keys after auto: slots= replaces the plan's budget, mode= runs an off plan's keys, and the plan line names what
@@ -255,6 +296,7 @@ static void test_user_keys() {
 
 int main() {
     test_compute_estimate();
+    test_near_the_fit();
     test_user_keys();
     test_remote_layers();
     test_cpu_plans();
