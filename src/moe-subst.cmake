@@ -40,6 +40,7 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-fingerprint.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-report.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-writer.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-health.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache-api.cpp)
 target_sources(llama PRIVATE ${MOE_SUBST_LLAMA_SOURCES})
 set_source_files_properties(

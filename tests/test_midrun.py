@@ -79,10 +79,14 @@ def test_host_file_truncated_after_load(model_dir: Path, tmp_path: Path, patched
     shutil.copy(model_dir / "a.gguf", model)
     size = model.stat().st_size
     with llama_server(patched_build, model, FILE_TIER, tmp_path / "server.log") as server:
+        assert server.health()[0] == 200
         os.truncate(model, size // 3)
         first, second = server.complete(), server.complete()
         assert server.proc.poll() is None  # the server still runs
+        # /health says so (issue 35: it said ok while every request failed): 503 with the cache's line
+        status, body = server.health()
         out = _log_with(server, CHANGED)
+    assert status == 503 and CHANGED in body and "every decode now fails" in body, (status, body)
     assert "Compute aborted." in first and "Compute aborted." in second, (first, second)
     lines = [line for line in out.splitlines() if CHANGED in line]
     assert len(lines) == 1 and str(model) in lines[0], out[-3000:]
@@ -137,8 +141,10 @@ def test_host_file_touched_goes_on(how: str, model_dir: Path, tmp_path: Path, pa
             _rewrite_in_place(model, model.read_bytes())
         after = [server.complete(), server.complete()]
         assert server.proc.poll() is None
+        status = server.health()[0]
         out = _log_with(server, "sampled bytes")
     assert before.startswith("ok: ") and after == [before, before], (before, after)
+    assert status == 200  # healthy: the file it reads is the one it loaded
     assert CHANGED not in out and "Compute aborted." not in out, out[-3000:]
     warned = [line for line in out.splitlines() if "sampled bytes" in line]
     assert len(warned) == 1 and str(model) in warned[0], out[-3000:]

@@ -69,6 +69,16 @@ class Server:
         except urllib.error.URLError as e:
             raise HarnessError(f"llama-server's /metrics did not answer ({e}): {self.log_tail()}") from None
 
+    def health(self, timeout: float = 10) -> tuple[int, str]:
+        """/health's status code and body (503 with the cache's line once an expert cache failed for good)."""
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=timeout) as r:
+                return int(r.status), r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode(errors="replace")
+        except urllib.error.URLError as e:
+            raise HarnessError(f"llama-server's /health did not answer ({e}): {self.log_tail()}") from None
+
     def log(self) -> str:
         """The server's whole log so far (stdout and stderr)."""
         try:

@@ -50,6 +50,11 @@ LLAMA_API int32_t llama_expert_cache_auto_plan(const struct llama_context * ctx,
 // at once; does nothing when no cache has such files (the cache off: no thread, no file).
 LLAMA_API void llama_expert_cache_write_files(void);
 
+// The process's expert-cache health, for a health check (llama-server's /health: 503 with this line): 0 while no expert
+// cache of the process has failed, else the length of the first failure's line (a model file changed under
+// host=file, a failed read or copy: every later decode of that cache fails). Like snprintf. Any thread.
+LLAMA_API int32_t llama_expert_cache_health(char * buf, size_t size);
+
 }
 
 // either text as a std::string (empty when the context has no expert cache)
@@ -60,6 +65,18 @@ inline std::string llama_expert_cache_text(int32_t (*fn)(const llama_context *, 
     }
     std::string s((size_t) n + 1, '\0');
     fn(ctx, &s[0], s.size());
+    s.resize((size_t) n);
+    return s;
+}
+
+// the health line as a std::string ("" while healthy)
+inline std::string llama_expert_cache_health_text() {
+    const int32_t n = llama_expert_cache_health(nullptr, 0);
+    if (n <= 0) {
+        return std::string();
+    }
+    std::string s((size_t) n + 1, '\0');
+    llama_expert_cache_health(&s[0], s.size());
     s.resize((size_t) n);
     return s;
 }

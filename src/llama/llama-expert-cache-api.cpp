@@ -3,6 +3,7 @@
 #include "llama-context.h"
 #include "llama-expert-cache.h"
 #include "llama-expert-cache-impl.h"
+#include "llama-expert-health.h"
 #include "llama-expert-writer.h"
 
 #include <cstdarg>
@@ -118,4 +119,8 @@ int32_t llama_expert_cache_auto_plan(const llama_context * ctx, char * buf, size
 
 void llama_expert_cache_write_files(void) {
     llama_expert_writer_request();
+}
+
+int32_t llama_expert_cache_health(char * buf, size_t size) {
+    return text_out(llama_expert_health_failure(), buf, size);
 }

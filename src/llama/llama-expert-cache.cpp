@@ -3,6 +3,7 @@
 #include "llama-expert-cache-impl.h"
 
 #include "llama-expert-fingerprint.h"
+#include "llama-expert-health.h"
 
 #include "llama-expert-profile.h"
 #include "llama-expert-machine.h"
@@ -618,7 +619,9 @@ void llama_expert_cache_impl::chain_abort_callback(bool (*&cb)(void * data), voi
     cb = [](void * p) {
         const auto * cache = (const llama_expert_cache_impl *) p;
         if (cache->engine->failed()) {
-            return true; // the failed read or copy was logged where it happened
+            // the failed read or copy was logged where it happened; the process's health check reports it from now
+            llama_expert_health_fail(cache->engine->failure());
+            return true;
         }
         return cache->user_abort != nullptr && cache->user_abort(cache->user_abort_data);
     };
