@@ -119,6 +119,17 @@ class Config:
     ditto_lambda: float = 0.5
     ditto_min: int = 1
     ditto_max: int = 32
+    # routing locality (issue 36's levers; results in eval/locality-levers). aux_scope "batch": the load-balancing
+    # loss of each micro-batch (Switch); "global": the batch's router probabilities against the expert load averaged
+    # over steps (an exponential moving average with decay aux_ema, detached), which balances the model over many
+    # batches and lets one batch, and one document, use few experts (global-batch balancing).
+    aux_scope: str = "batch"
+    aux_ema: float = 0.99
+    # locality_coef x the entropy (over ln E) of the mean router distribution of each window of locality_window
+    # consecutive tokens of a sequence: with the balancing loss over the batch, a mutual-information objective between
+    # the place in a text and its experts (few experts per window, all experts over the corpus). 0: off
+    locality_coef: float = 0.0
+    locality_window: int = 64
 
 
 SHAPES = {
@@ -128,6 +139,11 @@ SHAPES = {
     "studymoe": {"name": "studymoe", "n_layer": 6, "n_expert": 512, "top_k": 10, "d_expert": 32,
                  "batch_seqs": 8, "lr": 2e-3, "warmup": 200, "eval_every": 100, "capacity_factor": 2.0},
 }
+# the second stand-in of issue 36: studymoe's shape and weights (it starts from models/studymoe-q8_0.gguf) trained on
+# with the routing-locality levers that eval/locality-levers chose: the per-window router entropy over windows of 32
+# tokens, balancing over many batches (global) at 3x studymoe's coefficient, capacity factor 4 (fewer dropped pairs)
+SHAPES["localmoe"] = {**SHAPES["studymoe"], "name": "localmoe", "lr": 1e-3, "warmup": 30, "capacity_factor": 4.0,
+                      "aux_scope": "global", "aux_loss_coef": 0.03, "locality_coef": 1.0, "locality_window": 32}
 
 
 # --- tokenizer ----------------------------------------------------------------------------------
@@ -218,6 +234,9 @@ def build_model(cfg: Config):
             self.w_gate = nn.Parameter(torch.empty(E, f, d))
             self.w_up = nn.Parameter(torch.empty(E, f, d))
             self.w_down = nn.Parameter(torch.empty(E, d, f))
+            # aux_scope "global": the expert load averaged over steps (uniform at the start)
+            # (saved with the checkpoint only then: the resumed run continues the same average)
+            self.register_buffer("load_ema", torch.full((E,), 1.0 / E), persistent=cfg.aux_scope == "global")
 
         def forward(self, x):  # x: [T, d]
             T, d = x.shape
@@ -257,9 +276,17 @@ def build_model(cfg: Config):
             out = torch.zeros(T, d, dtype=y.dtype).index_add(0, tok_sorted, y)
             # load-balancing loss (Switch style, over all k choices) and router z-loss
             frac = counts.float() / (T * k)
+            if cfg.aux_scope == "global" and self.training:
+                with torch.no_grad():
+                    self.load_ema.mul_(cfg.aux_ema).add_(frac, alpha=1.0 - cfg.aux_ema)
+                frac = self.load_ema
             aux = E * (frac * probs.mean(0)).sum()
             z = torch.logsumexp(logits, -1).pow(2).mean()
             stats = {"top_i": top_i.detach(), "gate": gate.detach()}
+            W = cfg.locality_window
+            if self.training and cfg.locality_coef > 0 and T % W == 0:
+                pm = probs.view(T // W, W, E).mean(1)
+                stats["locality"] = -(pm * torch.log(pm + 1e-9)).sum(-1).mean() / math.log(E)
             return out, aux, z, stats
 
     class Block(nn.Module):
@@ -510,10 +537,14 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
         for gr in opt.param_groups:
             gr["lr"] = lr_schedule(cfg, step)
         with autocast():
-            logits, aux, z, _ = model(x)
+            logits, aux, z, mstats = model(x)
         n_lm = cfg.batch_seqs - n_rep
         ce = F.cross_entropy(logits[:n_lm].float().reshape(-1, cfg.vocab_size), y[:n_lm].reshape(-1))
         loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+        loc = None
+        if cfg.locality_coef > 0:
+            loc = torch.stack([st["locality"] for st in mstats]).mean()
+            loss = loss + cfg.locality_coef * loc
         ditto = None
         if n_rep:
             ditto = ditto_loss(logits[n_lm:], y[n_lm:], periods, cfg.ditto_lambda)
@@ -525,6 +556,7 @@ def train(cfg: Config, work: Path, out: Path, time_budget: float | None, *, resu
         tokens_seen += x.numel()
         rec = {"step": step + 1, "tokens": tokens_seen, "loss": round(ce.item(), 5),
                **({} if ditto is None else {"ditto": round(ditto.item(), 5)}),
+               **({} if loc is None else {"locality": round(loc.item(), 5)}),
                "aux": round(aux.item(), 5), "z": round(z.item(), 4), "grad_norm": round(gn.item(), 4),
                "lr": lr_schedule(cfg, step), "elapsed_s": round(elapsed_before + time.time() - t0, 1)}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
@@ -866,6 +898,15 @@ def main() -> int:
                     help="auto: bf16 autocast where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
     ap.add_argument("--ditto", type=float, default=None, metavar="FRAC",
                     help="share of each batch that is DITTO pseudo-repetitions (Config.ditto_frac; default 0)")
+    ap.add_argument("--capacity-factor", type=float, default=None,
+                    help="training capacity per expert in fair shares of a batch (0: none dropped)")
+    ap.add_argument("--aux-coef", type=float, default=None, help="load-balancing loss coefficient (default 0.01)")
+    ap.add_argument("--aux-scope", default="batch", choices=["batch", "global"],
+                    help="balance each micro-batch, or the load averaged over steps (default: %(default)s)")
+    ap.add_argument("--aux-ema", type=float, default=None, help="decay of the averaged load for --aux-scope global")
+    ap.add_argument("--locality-coef", type=float, default=None,
+                    help="weight of the per-window router entropy (routing locality; default 0: off)")
+    ap.add_argument("--locality-window", type=int, default=None, help="tokens per window of --locality-coef")
     ap.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints")
     ap.add_argument("--from-checkpoint", action="store_true",
                     help="export/eval the newest checkpoint (<work>/ckpt.pt) of a run in progress: an interim model")
@@ -886,6 +927,21 @@ def main() -> int:
         if not 0 <= args.ditto < 1:
             ap.error("--ditto: a share in [0, 1)")
         cfg.ditto_frac = args.ditto
+    if args.capacity_factor is not None:
+        cfg.capacity_factor = args.capacity_factor
+    if args.aux_coef is not None:
+        cfg.aux_loss_coef = args.aux_coef
+    cfg.aux_scope = args.aux_scope
+    if args.aux_ema is not None:
+        if not 0 < args.aux_ema < 1:
+            ap.error("--aux-ema: a decay in (0, 1)")
+        cfg.aux_ema = args.aux_ema
+    if args.locality_coef is not None:
+        cfg.locality_coef = args.locality_coef
+    if args.locality_window is not None:
+        if args.locality_window < 1 or cfg.n_ctx % args.locality_window:
+            ap.error(f"--locality-window: a divisor of the context ({cfg.n_ctx})")
+        cfg.locality_window = args.locality_window
     if args.precision != "auto":
         cfg.precision = args.precision
     elif args.stage in ("train", "all"):
