@@ -64,26 +64,15 @@ def load_model(args):
 def route(cfg, model, ids: np.ndarray, chunks: list[int]):
     """Per layer: top-k ids and normalised weights of every position of the given chunks, in that order; and the
     NLL sum and count of the positions llama-perplexity scores."""
-    import torch
-    import torch.nn.functional as F
-
-    n_ctx = cfg.n_ctx
-    first = n_ctx // 2
     ids_l = [[] for _ in range(cfg.n_layer)]
     w_l = [[] for _ in range(cfg.n_layer)]
     nll, count = 0.0, 0
-    with torch.no_grad():
-        for c in range(0, len(chunks), 4):
-            cs = chunks[c:c + 4]
-            x = torch.from_numpy(np.stack([ids[i * n_ctx:(i + 1) * n_ctx] for i in cs]))
-            logits, _, _, stats = model(x)
-            lp = F.log_softmax(logits[:, first:n_ctx - 1].double(), -1)
-            tgt = x[:, first + 1:]
-            nll -= lp.gather(-1, tgt.unsqueeze(-1)).sum().item()
-            count += tgt.numel()
-            for li, st in enumerate(stats):
-                ids_l[li].append(st["top_i"].numpy().astype(np.int32))
-                w_l[li].append(st["gate"].float().numpy())
+    for _, nll_b, count_b, stats in tm.scored_batches(model, ids, chunks, cfg.n_ctx):
+        nll += nll_b
+        count += count_b
+        for li, st in enumerate(stats):
+            ids_l[li].append(st["top_i"].numpy().astype(np.int32))
+            w_l[li].append(st["gate"].float().numpy())
     return [np.concatenate(a) for a in ids_l], [np.concatenate(a) for a in w_l], nll, count
 
 

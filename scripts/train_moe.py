@@ -768,34 +768,42 @@ def f16_rounded(cfg: Config, model):
 
 # --- evaluation ---------------------------------------------------------------------------------
 
+def scored_batches(model, ids: np.ndarray, chunks, n_ctx: int, batch: int = 4):
+    """llama-perplexity's scoring of the given n_ctx chunks of ``ids``, ``batch`` chunks a forward pass: in each
+    chunk the logits at positions n_ctx/2 .. n_ctx-2 score the next token. Yields (tokens, NLL sum, scored count,
+    the model's per-layer router stats) per pass."""
+    import torch
+    import torch.nn.functional as F
+
+    chunks = list(chunks)
+    first = n_ctx // 2
+    with torch.no_grad():
+        for c in range(0, len(chunks), batch):
+            x = torch.from_numpy(np.stack([ids[i * n_ctx:(i + 1) * n_ctx] for i in chunks[c:c + batch]]))
+            logits, _, _, stats = model(x)
+            lp = F.log_softmax(logits[:, first:n_ctx - 1].double(), -1)
+            tgt = x[:, first + 1:]
+            yield x, -lp.gather(-1, tgt.unsqueeze(-1)).sum().item(), tgt.numel(), stats
+
+
 def perplexity_like_llama(cfg: Config, model, ids: np.ndarray, n_ctx: int, n_chunks: int | None = None):
     """llama-perplexity's number: the text is cut into n_ctx chunks; in each chunk the logits at
     positions n_ctx/2 .. n_ctx-2 score the next token; PPL = exp(mean NLL over all scored tokens).
     (No BOS: the GGUF says add_bos_token = false.) Returns (ppl, nll_sum, count, stats)."""
-    import torch
-    import torch.nn.functional as F
-
     n_chunk = len(ids) // n_ctx
     if n_chunks is not None:
         n_chunk = min(n_chunk, n_chunks)
-    first = n_ctx // 2
     nll, count = 0.0, 0
     usage = np.zeros((cfg.n_layer, cfg.n_expert), dtype=np.int64)
     first_gate = np.zeros(cfg.n_layer)
     n_tok = 0
-    with torch.no_grad():
-        for c in range(0, n_chunk, 4):
-            cs = range(c, min(c + 4, n_chunk))
-            x = torch.from_numpy(np.stack([ids[i * n_ctx:(i + 1) * n_ctx] for i in cs]))
-            logits, _, _, stats = model(x)
-            lp = F.log_softmax(logits[:, first:n_ctx - 1].double(), -1)
-            tgt = x[:, first + 1:]
-            nll -= lp.gather(-1, tgt.unsqueeze(-1)).sum().item()
-            count += tgt.numel()
-            for li, st in enumerate(stats):
-                usage[li] += np.bincount(st["top_i"].reshape(-1).numpy(), minlength=cfg.n_expert)
-                first_gate[li] += st["gate"][:, 0].sum().item()
-            n_tok += x.numel()
+    for x, nll_b, count_b, stats in scored_batches(model, ids, range(n_chunk), n_ctx):
+        nll += nll_b
+        count += count_b
+        for li, st in enumerate(stats):
+            usage[li] += np.bincount(st["top_i"].reshape(-1).numpy(), minlength=cfg.n_expert)
+            first_gate[li] += st["gate"][:, 0].sum().item()
+        n_tok += x.numel()
     return math.exp(nll / count), nll, count, {"usage": usage, "first_gate_sum": first_gate,
                                               "tokens": n_tok}
 
