@@ -16,6 +16,7 @@ from rich.console import Console
 
 from harness.cli import options
 from harness.core.errors import HarnessError
+from harness.orchestration.warmstart import refuse_cold_never_fetching
 
 console = Console()
 err_console = Console(stderr=True)
@@ -141,6 +142,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         reserve_bytes=(sizes.parse_size(args.reserve, allow_percent=False).bytes or 0) if args.reserve else 0,
         speed=not args.no_speed, quality=not args.no_quality, bench_cache_mode=args.speed_mode, seed=args.seed,
         argv=tuple(sys.argv), **options.perplexity_settings(args))
+    refuse_cold_never_fetching(opts.policies, opts.warm_from)
+
     def announce(lines: Sequence[str]) -> None:
         err_console.print("\n".join(lines), highlight=False, soft_wrap=True, markup=False)
 
@@ -191,6 +194,7 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     c.add_argument("--no-speed", action="store_true", help="skip the llama-bench runs")
     c.add_argument("--no-quality", action="store_true", help="skip the perplexity runs")
     options.add_seed(c)
+    options.add_warm(c)
     c.set_defaults(func=_cmd_compare)
 
 
@@ -204,6 +208,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                      fractions=tuple(f / 100 for f in options.floats(args.residency)))
     opts = SweepOptions(out=options.out_dir(args, "sweep"), model=args.model, grid=grid, seed=args.seed,
                         profile=args.profile, argv=tuple(sys.argv), **options.perplexity_settings(args))
+    refuse_cold_never_fetching(grid.rules, opts.warm_from)
     result = _with_progress("sweep", lambda progress: sweep.sweep(opts, progress))
     console.print(terminal.render_sweep(result))
     return 130 if result.interrupted else 0
@@ -229,6 +234,7 @@ def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--profile", default="rtx3090", help="hardware profile for time estimates (default: %(default)s)")
     options.add_out(w, "results folder (default: results/sweep); an existing one is resumed")
     options.add_seed(w)
+    options.add_warm(w)
     w.set_defaults(func=_cmd_sweep)
 
 
@@ -295,6 +301,7 @@ def _add_frontier(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     f.add_argument("--profile", default="rtx3090", help="hardware profile for time estimates (default: %(default)s)")
     options.add_out(f, "results folder (default: results/frontier); an existing one is resumed")
     options.add_seed(f)
+    options.add_warm(f)
     f.set_defaults(func=_cmd_frontier)
 
 
@@ -382,6 +389,7 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     options.add_threads(t)
     options.add_out(t, "results folder (default: results/tune-<model>); an existing one is resumed")
     options.add_seed(t)
+    options.add_warm(t)
     t.set_defaults(func=_cmd_tune)
 
 
@@ -463,12 +471,14 @@ def _add_topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     options.add_chunks(t, 0)
     options.add_threads(t)
     options.add_out(t, "results folder (default: results/topics)")
+    options.add_warm(t)
     t.set_defaults(func=_cmd_topics)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
     from rich.markdown import Markdown
 
+    from harness.domain.catalogue import STUDY_POLICIES
     from harness.domain.options import StudyOptions
     from harness.orchestration import study
     from harness.report import markdown
@@ -479,6 +489,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
                         matched=not args.no_matched,
                         calib_text=args.calib_text, tokenizer=args.tokenizer, seed=args.seed, argv=tuple(sys.argv),
                         **options.perplexity_settings(args))
+    refuse_cold_never_fetching(STUDY_POLICIES, opts.warm_from)
     result = _with_progress("study", lambda progress: study.study(opts, progress))
     console.print(Markdown(markdown.render_study_markdown(result)))
     return 0
@@ -507,6 +518,7 @@ def _add_study(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "eval/data/heldout-docs.txt with --chunks 0, else a slice of --text past the chunks)")
     options.add_out(s, "results folder (default: results/study); an existing one is resumed")
     options.add_seed(s)
+    options.add_warm(s)
     s.set_defaults(func=_cmd_study)
 
 
@@ -581,6 +593,7 @@ def _add_composition(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     options.add_threads(c)
     options.add_out(c, "results folder (default: results/composition); an existing one is resumed")
     options.add_seed(c)
+    options.add_warm(c)
     c.set_defaults(func=_cmd_composition)
 
 

@@ -51,9 +51,27 @@ def add_policies(p: argparse.ArgumentParser, help: str | None = None, *, note: s
                    help=help or f"comma-separated, from: {', '.join(KNOWN_POLICIES)} (default: %(default)s{note})")
 
 
+def add_warm(p: argparse.ArgumentParser) -> None:
+    """--warm-from FILE and --cold: the cached runs' initial residency (harness.orchestration.warmstart)."""
+    p.add_argument("--warm-from", type=Path, metavar="FILE",
+                   help="calibration text whose routing profile is every cached run's initial residency, never "
+                   "the evaluated tokens (default: eval/data/heldout-docs.txt, or heldout.txt for that text)")
+    p.add_argument("--cold", action="store_true",
+                   help="start every cache from experts 0..n-1 instead (the engine's default); refused for a policy "
+                   "that never fetches (substitute-all), which would keep that residency for the whole run")
+
+
 def perplexity_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The PerplexitySettings fields of a command's options from --text, --ctx, --chunks (0 = all), --threads."""
-    return {"text": args.text, "n_ctx": args.ctx, "chunks": args.chunks or None, "threads": args.threads}
+    """The PerplexitySettings fields of a command's options from --text, --ctx, --chunks (0 = all), --threads, and
+    where the command has them, --warm-from and --cold."""
+    out = {"text": args.text, "n_ctx": args.ctx, "chunks": args.chunks or None, "threads": args.threads}
+    if hasattr(args, "cold"):
+        if args.cold and args.warm_from is not None:
+            raise HarnessError("--cold and --warm-from: pass one of them")
+        from harness.orchestration.warmstart import default_calibration
+
+        out["warm_from"] = None if args.cold else (args.warm_from or default_calibration(args.text))
+    return out
 
 
 def out_dir(args: argparse.Namespace, name: str) -> Path:

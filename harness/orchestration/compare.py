@@ -43,6 +43,7 @@ from harness.orchestration.summary import (
     verify_budget,
     verify_ram,
 )
+from harness.orchestration.warmstart import warm_start
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.report.tables import plan_lines
@@ -98,6 +99,8 @@ def run_compare(opts: CompareOptions, runner: Runner, info: ModelInfo, *, env: E
     backend = ",".join(sorted({b.backend for b in builds.values()}))
     plan = plan_of(opts, info, env.host_available_bytes())
     prov = env.provenance(builds, opts.argv, gpu)
+    opts = warm_start(opts, model_of(opts), opts.text if opts.quality else None, opts.out / "warm", runner,
+                      builds["patched"], info.n_expert, info.n_moe_layers)
     fp = compare_fingerprint(opts, plan, dict(prov.binaries))
     notes = list(plan.notes)
     if opts.threads is None:

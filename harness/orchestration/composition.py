@@ -29,6 +29,8 @@ from harness.domain.composition import (
 )
 from harness.domain.plan import RunSpec, slots_for_residency
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
+from harness.orchestration.serialise import warm_key
+from harness.orchestration.warmstart import warm_start
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import paired_delta_ppl
@@ -79,6 +81,7 @@ def _fingerprint(opts: CompositionOptions, model: Path, text: Path, slots: int, 
          "evict": opts.evict, "code": code}
     if opts.calib_text is not None:  # only then, so that folders made before it resume
         d["calib_text"] = [opts.calib_text.name, hashlib.sha256(opts.calib_text.read_bytes()).hexdigest()[:16]]
+    d.update(warm_key(opts))
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -86,10 +89,13 @@ class Runs:
     """Runs one spec at a time through the executor (resume by key), and reads back what a key recorded."""
 
     def __init__(self, opts: CompositionOptions, runner: Runner, env: Environment, model: Path, text: Path,
-                 calib: Path, slots: int, progress: Progress) -> None:
+                 calib: Path, slots: int, progress: Progress, info: ModelInfo | None = None) -> None:
+        self.builds = env.builds()
+        if info is not None:  # every cached run, calibration and evaluation, from the warm profile
+            opts = warm_start(opts, model, text, opts.out / "warm", runner, self.builds["patched"], info.n_expert,
+                              info.n_moe_layers)
         self.opts, self.runner, self.model, self.text, self.calib, self.slots = opts, runner, model, text, calib, slots
         self.progress = progress
-        self.builds = env.builds()
         self.prov = env.provenance(self.builds, opts.argv, env.gpu())
         self.fp = _fingerprint(opts, model, text, slots, f"{self.prov.pin}/{self.prov.patch_series}")
         self.results = ResultsFile(opts.out / "results.jsonl")
@@ -201,7 +207,7 @@ def run_composition(opts: CompositionOptions, runner: Runner, info: ModelInfo, *
     calib_text = calibration_text((opts.calib_text or opts.text).read_text(), opts.calib_offset, opts.calib_chars)
     if not calib.is_file() or calib.read_text() != calib_text:
         calib.write_text(calib_text)
-    runs = Runs(opts, runner, env, opts.model, opts.text, calib, slots, progress)
+    runs = Runs(opts, runner, env, opts.model, opts.text, calib, slots, progress, info)
     full_rec = runs.run("eval", None)
     full = runs.nll(full_rec)
     levels: list[MassLevel] = []

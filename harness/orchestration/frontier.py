@@ -37,6 +37,7 @@ from harness.orchestration.serialise import (
 )
 from harness.orchestration.summary import load_nlls, summarize_quality
 from harness.orchestration.sweep import sweep_runs
+from harness.orchestration.warmstart import warm_start
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.frontier import pareto_front
@@ -319,6 +320,8 @@ def run_frontier(opts: FrontierOptions, runner: Runner, info: ModelInfo, *, env:
     plan_slots(info, Size(fraction=min(opts.grid.fractions)))  # the same "too small" checks as compare
     builds = env.builds()
     prov = env.provenance(builds, opts.argv, env.gpu())
+    opts = warm_start(opts, model, text, opts.out / "warm", runner, builds["patched"], info.n_expert,
+                      info.n_moe_layers)
     fp = frontier_fingerprint(model, text, opts, dict(prov.binaries))
     results = ResultsFile(opts.out / "results.jsonl")
     meta: dict[str, Any] = {"command": "frontier", "options": options_json(opts, FRONTIER_OPTION_KEYS),

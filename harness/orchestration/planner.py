@@ -163,8 +163,8 @@ def plan_runs(opts: CompareOptions, plan: ComparePlan, cgroup: MemoryCgroup | No
                     runs.append(RunSpec(f"bench:stock:{rep}", "bench", "stock", STOCK, rep, bench=req))
                 else:
                     stats = str(opts.out / "stats" / f"bench-{safe_name(config)}-{rep}.json")
-                    cache = (ram_cache_spec(config, plan, stats) if plan.ram is not None
-                             else policy_cache_spec(config, opts.bench_cache_mode, slots, stats))
+                    cache = opts.warm(ram_cache_spec(config, plan, stats) if plan.ram is not None
+                                      else policy_cache_spec(config, opts.bench_cache_mode, slots, stats))
                     req = BenchRequest(model, plan.patched, opts.n_prompt, opts.n_gen, 1, opts.threads, cache,
                                        label=config, extra_args=bench_extra, cgroup=cgroup)
                     runs.append(RunSpec(f"bench:{config}:{rep}", "bench", "patched", config, rep, bench=req))

@@ -22,18 +22,20 @@ from harness.domain.plan import ComparePlan, RunSpec
 # the meta record's options, per command, in the order of the files written so far
 COMPARE_OPTION_KEYS = ("out", "model", "vram", "policies", "text", "dataset", "runs", "n_ctx", "n_batch", "chunks",
                        "n_prompt", "n_gen", "threads", "reserve_bytes", "speed", "quality", "bench_cache_mode",
-                       "n_boot", "seed", "profile", "argv", "ram")
+                       "n_boot", "seed", "profile", "argv", "ram", "warm_from", "warm_profile")
 SWEEP_OPTION_KEYS = ("out", "model", "text", "grid", "n_ctx", "chunks", "threads", "n_boot", "seed", "profile",
-                     "argv")
+                     "argv", "warm_from", "warm_profile")
 SWEEP_GRID_KEYS = ("rules", "taus", "admits", "evicts", "fractions")
-FRONTIER_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "profile", "argv")
+FRONTIER_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "profile", "argv",
+                        "warm_from", "warm_profile")
 FRONTIER_GRID_KEYS = ("families", "fractions", "taus", "admits", "evicts", "j", "m", "alpha", "zero_taus", "renorms",
                       "kmins", "ts")
 TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", "window", "n_ctx", "chunks",
-                     "threads", "n_boot", "seed", "argv")
+                     "threads", "n_boot", "seed", "argv", "warm_from", "warm_profile")
 BPB_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
 TUNE_OPTION_KEYS = ("out", "model", "text", "max_delta_pct", "strict", "grid", "host", "base_profile", "readers",
-                    "measure", "measure_grid", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
+                    "measure", "measure_grid", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv",
+                    "warm_from", "warm_profile")
 
 
 def _json_value(v: Any) -> Any:
@@ -128,6 +130,11 @@ def size_from_json(d: Any) -> Size | None:
     return Size(d.get("bytes"), d.get("fraction")) if isinstance(d, dict) else None
 
 
+def warm_from_json(o: dict[str, Any]) -> dict[str, Path | None]:
+    """The warm start's options of a meta record (absent in the folders made before warm starts: cold)."""
+    return {k: Path(o[k]) if o.get(k) else None for k in ("warm_from", "warm_profile")}
+
+
 def compare_options_from_json(o: dict[str, Any], out: Path, model: Path | None = None) -> CompareOptions:
     """The options of a compare meta record (`model` overrides a moved model)."""
     return CompareOptions(
@@ -136,7 +143,8 @@ def compare_options_from_json(o: dict[str, Any], out: Path, model: Path | None =
         n_batch=o.get("n_batch"), chunks=o.get("chunks"), n_prompt=int(o["n_prompt"]), n_gen=int(o["n_gen"]),
         threads=o.get("threads"), reserve_bytes=int(o["reserve_bytes"]), speed=bool(o["speed"]),
         quality=bool(o["quality"]), bench_cache_mode=str(o["bench_cache_mode"]), n_boot=int(o["n_boot"]),
-        seed=int(o["seed"]), profile=o.get("profile"), argv=tuple(o.get("argv", ())), ram=size_from_json(o.get("ram")))
+        seed=int(o["seed"]), profile=o.get("profile"), argv=tuple(o.get("argv", ())), ram=size_from_json(o.get("ram")),
+        **warm_from_json(o))
 
 
 def sweep_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
@@ -147,7 +155,7 @@ def sweep_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
     return SweepOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
                         n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
                         n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
-                        argv=tuple(o.get("argv", ())))
+                        argv=tuple(o.get("argv", ())), **warm_from_json(o))
 
 
 def frontier_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
@@ -162,7 +170,7 @@ def frontier_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
     return FrontierOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
                            n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
                            n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
-                           argv=tuple(o.get("argv", ())))
+                           argv=tuple(o.get("argv", ())), **warm_from_json(o))
 
 
 def _model_stat(model: Path) -> list[Any]:
@@ -188,23 +196,30 @@ def compare_fingerprint(opts: CompareOptions, plan: ComparePlan, binaries: dict[
     if plan.ram is not None:  # only then: the fingerprints of earlier results stay what they were
         # "slots": the speed runs get the plan's slots (before, ram=: the engine's own, perhaps another residency)
         d["ram"] = [plan.ram.limit, plan.ram.terms.reserve, "slots"]
-    return _digest(d)
+    return _digest({**d, **warm_key(opts)})
+
+
+def warm_key(opts: Any) -> dict[str, str]:
+    """The warm start's part of a fingerprint: the profile's name (from the model, the calibration text's content
+    and the context); nothing for a cold start, so that the folders made before warm starts resume."""
+    profile = getattr(opts, "warm_profile", None)
+    return {"warm": Path(profile).name} if profile is not None else {}
 
 
 def sweep_fingerprint(model: Path, text: Path, opts: SweepOptions, binaries: dict[str, str]) -> str:
     return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": opts.n_ctx, "chunks": opts.chunks,
-                    "binaries": binaries, "command": "sweep"})
+                    "binaries": binaries, "command": "sweep", **warm_key(opts)})
 
 
 def frontier_fingerprint(model: Path, text: Path, opts: FrontierOptions, binaries: dict[str, str]) -> str:
     return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": opts.n_ctx, "chunks": opts.chunks,
-                    "binaries": binaries, "command": "frontier"})
+                    "binaries": binaries, "command": "frontier", **warm_key(opts)})
 
 
 def topics_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, policy: str, slots: int,
-                       binaries: dict[str, str]) -> str:
+                       binaries: dict[str, str], warm: dict[str, str] | None = None) -> str:
     return _digest({"model": _model_stat(model), "text": str(text), "n_ctx": n_ctx, "chunks": chunks,
-                    "policy": policy, "slots": slots, "binaries": binaries, "command": "topics"})
+                    "policy": policy, "slots": slots, "binaries": binaries, "command": "topics", **(warm or {})})
 
 
 def bpb_fingerprint(model: Path, text: Path, n_ctx: int, chunks: int | None, binaries: dict[str, str]) -> str:
@@ -218,4 +233,5 @@ def tune_fingerprint(model: Path, text: Path, opts: Any, binaries: dict[str, str
     threads (the decode rate) and binaries. The bound and the grid may change: a record is one configuration's run,
     named by its spec, whatever the search that asked for it."""
     return _digest({"model": _model_stat(model), "text": _model_stat(text), "n_ctx": opts.n_ctx,
-                    "chunks": opts.chunks, "threads": opts.threads, "binaries": binaries, "command": "tune"})
+                    "chunks": opts.chunks, "threads": opts.threads, "binaries": binaries, "command": "tune",
+                    **warm_key(opts)})

@@ -210,7 +210,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
     c = compare(CompareOptions(out=opts.out / "compare", model=opts.model, text=opts.text, policies=STUDY_POLICIES,
                                vram=Size(fraction=opts.residency), n_ctx=opts.n_ctx,
                                chunks=opts.chunks, threads=opts.threads, speed=False, seed=opts.seed,
-                               argv=opts.argv),
+                               argv=opts.argv, warm_from=opts.warm_from),
                 progress, runner=runner, env=env)
     records = ResultsFile(c.results_path).read()
     nll, _ = load_nlls(records, runner.load_nll if runner else read_nll_dump_file)
@@ -220,14 +220,14 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
                      admits=("off", "0.5"), fractions=(opts.residency,))
     s = sweep(SweepOptions(out=opts.out / "sweep", model=c.options.model, text=c.options.text, grid=grid,
                            n_ctx=opts.n_ctx, chunks=opts.chunks, threads=opts.threads, seed=opts.seed,
-                           argv=opts.argv), progress, runner=runner, env=env)
+                           argv=opts.argv, warm_from=opts.warm_from), progress, runner=runner, env=env)
     t: TopicResult | None = None
     note = "not run (--no-topics)"
     if opts.topics:
         try:
             t = topic_shift(TopicOptions(out=opts.out / "topics", model=c.options.model, tokenizer=opts.tokenizer,
                                          fraction=opts.residency, n_ctx=opts.n_ctx, threads=opts.threads,
-                                         argv=opts.argv), progress, runner=runner, env=env)
+                                         argv=opts.argv, warm_from=opts.warm_from), progress, runner=runner, env=env)
             note = ""
         except HarnessError as e:
             note = f"not run: {e}"
@@ -237,7 +237,7 @@ def study(opts: StudyOptions, progress: Progress = no_progress, *, runner: Runne
         fr = frontier(FrontierOptions(out=opts.out / "frontier", model=c.options.model, text=c.options.text,
                                       grid=FrontierGrid(fractions=(opts.residency, opts.residency / 2)),
                                       n_ctx=opts.n_ctx, chunks=opts.chunks, threads=opts.threads, seed=opts.seed,
-                                      argv=opts.argv), progress, runner=runner, env=env)
+                                      argv=opts.argv, warm_from=opts.warm_from), progress, runner=runner, env=env)
         fnote = ""
     comp, comp_note = composition_part(replace(opts, model=c.options.model, text=c.options.text), progress,
                                        runner=runner, env=env)

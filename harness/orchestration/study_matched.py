@@ -63,14 +63,14 @@ def run_matched(opts: StudyOptions, runner: Runner, info: ModelInfo, *, env: Env
         raise HarnessError("no model or text given")
     copts = CompositionOptions(out=opts.out / "matched", model=opts.model, text=opts.text, residency=opts.residency,
                                n_ctx=opts.n_ctx, chunks=opts.chunks, threads=opts.threads, seed=opts.seed,
-                               argv=opts.argv, heavy_los=(RANK_LO,))
+                               argv=opts.argv, heavy_los=(RANK_LO,), warm_from=opts.warm_from)
     copts.out.mkdir(parents=True, exist_ok=True)
     slots = max(info.n_expert_used, min(info.n_expert, round(opts.residency * info.n_expert)))
     calib = copts.out / "calibration.txt"
     calib_text, where = calibration_source(opts, opts.text)
     if not calib.is_file() or calib.read_text() != calib_text:
         calib.write_text(calib_text)
-    runs = Runs(copts, runner, env, opts.model, opts.text, calib, slots, progress)
+    runs = Runs(copts, runner, env, opts.model, opts.text, calib, slots, progress, info)
     notes: list[str] = []
     dumps: list[tuple[str, NllDump]] = []
 

@@ -31,7 +31,7 @@ def composition_part(opts: StudyOptions, progress: Progress = no_progress, *, ru
         calib = opts.calib_text or (project.project_root() / HELDOUT_DOCS if opts.chunks is None else None)
         copts = CompositionOptions(out=opts.out / "composition", model=opts.model, text=opts.text,
                                    residency=opts.residency, n_ctx=opts.n_ctx, chunks=opts.chunks,
-                                   threads=opts.threads, seed=opts.seed, argv=opts.argv)
+                                   threads=opts.threads, seed=opts.seed, argv=opts.argv, warm_from=opts.warm_from)
         if calib is not None:
             copts = replace(copts, calib_text=calib, calib_offset=0)
         return composition(copts, progress, runner=runner, env=env), ""

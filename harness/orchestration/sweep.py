@@ -32,6 +32,7 @@ from harness.orchestration.serialise import (
     sweep_options_from_json,
 )
 from harness.orchestration.summary import load_nlls, summarize_quality
+from harness.orchestration.warmstart import warm_start
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.frontier import pareto_front
@@ -121,6 +122,8 @@ def run_sweep(opts: SweepOptions, runner: Runner, info: ModelInfo, *, env: Envir
     gpu = env.gpu()
     prov = env.provenance(builds, opts.argv, gpu)
     model, _ = _resolved(opts)
+    opts = warm_start(opts, model, text, opts.out / "warm", runner, builds["patched"], info.n_expert,
+                      info.n_moe_layers)
     fp = sweep_fingerprint(model, text, opts, dict(prov.binaries))
     results = ResultsFile(opts.out / "results.jsonl")
     meta: dict[str, Any] = {"command": "sweep", "options": options_json(opts, SWEEP_OPTION_KEYS),

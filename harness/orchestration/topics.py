@@ -28,8 +28,9 @@ from harness.domain.plan import RunSpec, slots_for_residency
 from harness.domain.results import TopicResult, TopicRow
 from harness.orchestration.compare import default_model
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress
-from harness.orchestration.serialise import TOPIC_OPTION_KEYS, options_json, topics_fingerprint
+from harness.orchestration.serialise import TOPIC_OPTION_KEYS, options_json, topics_fingerprint, warm_key
 from harness.orchestration.summary import load_nlls
+from harness.orchestration.warmstart import warm_start
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl
@@ -144,6 +145,11 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
     off = replace(policy_cache_spec(opts.policy, "emulate", slots, str(opts.out / "stats" / "off.json")),
                   extra=(("admit", "off"),))
 
+    builds = env.builds()
+    prov = env.provenance(builds, opts.argv, env.gpu())
+    opts = warm_start(opts, model, text, opts.out / "warm", runner, builds["patched"], info.n_expert,
+                      info.n_moe_layers)
+
     def req(label: str, cache: CacheSpec) -> PerplexityRequest:
         return opts.perplexity_request(model, text, placement, cache=cache,
                                        nll_dump=opts.out / "nll" / f"{label}.bin", label=label)
@@ -151,9 +157,8 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
     specs = [RunSpec("ppl:full", "ppl", "patched", FULL, None, ppl=req("full", CacheSpec("off"))),
              RunSpec("ppl:admit-on", "ppl", "patched", "admit-on", None, ppl=req("admit-on", on)),
              RunSpec("ppl:admit-off", "ppl", "patched", "admit-off", None, ppl=req("admit-off", off))]
-    builds = env.builds()
-    prov = env.provenance(builds, opts.argv, env.gpu())
-    fp = topics_fingerprint(model, text, opts.n_ctx, opts.chunks, opts.policy, slots, dict(prov.binaries))
+    fp = topics_fingerprint(model, text, opts.n_ctx, opts.chunks, opts.policy, slots, dict(prov.binaries),
+                            warm_key(opts))
     results = ResultsFile(opts.out / "results.jsonl")
     outcome = execute_runs(specs, runner, builds, prov, fp, results, progress,
                            meta={"command": "topics", "options": options_json(opts, TOPIC_OPTION_KEYS)})

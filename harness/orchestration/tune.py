@@ -82,6 +82,7 @@ from harness.domain.tune import (
 from harness.orchestration.executor import Environment, Progress, execute_runs, no_progress, safe_name
 from harness.orchestration.serialise import TUNE_OPTION_KEYS, options_json, tune_fingerprint
 from harness.orchestration.simulate import SimRunner, check_trace_matches, per_token, sim_spec
+from harness.orchestration.warmstart import warm_start
 from harness.parsers.gguf_model import ModelInfo
 from harness.parsers.nll_dump import NllDump
 from harness.parsers.sim import SimRun
@@ -329,6 +330,8 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     results = ResultsFile(opts.out / "results.jsonl")
     builds = env.builds()
     prov = env.provenance(builds, opts.argv, env.gpu())
+    opts = warm_start(opts, model, text, opts.out / "warm", runner, builds["patched"], info.n_expert,
+                      info.n_moe_layers)
     fp = tune_fingerprint(model, text, opts, dict(prov.binaries))
     meta: dict[str, Any] = {"command": "tune", "options": options_json(opts, TUNE_OPTION_KEYS)}
     runs = _Runs(opts, model, text, runner, env, results, fp, progress, meta)
@@ -370,6 +373,8 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     sim_log.parent.mkdir(parents=True, exist_ok=True)
     with sim_log.open("w", buffering=1) as log:  # line by line: a long search can be watched
         def replay(c: Candidate, spec: str) -> SimPoint:
+            if opts.warm_profile is not None:  # the replay starts from the same residency as the emulate runs
+                spec = f"{spec},profile={opts.warm_profile}"
             run = sim.simulate(trace, spec)
             p = sim_point(c, run, info, profile, span)
             log.write(json.dumps({"spec": spec, "est_ms_per_token": p.est_ms, "est_ms_span": p.span,
@@ -503,7 +508,8 @@ def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, 
     extra = ("--repack", "0") if host == "file" or cpu else ()
     checks = _speeds(runs, [(name, f"decode with the engine, {name}",
                              BenchRequest(model, Placement(), n_prompt=0, n_gen=opts.n_gen, repetitions=1,
-                                          threads=threads, cache=_engine_cache(c, host), extra_args=extra, label=name))
+                                          threads=threads, cache=opts.warm(_engine_cache(c, host)), extra_args=extra,
+                                          label=name))
                             for name, c in configs], opts.runs, warn, notes)
     speeds: dict[str, MeanCI] = {name: c.ci for name, c in checks.items()}
     rows = [replace(r, measured=speeds.get(r.name)) for r in rows]
