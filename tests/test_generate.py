@@ -261,3 +261,21 @@ def test_the_full_models_degenerate_generations_per_kind() -> None:
     by = {d.kind: d for d in degeneration(prompts, full)}
     assert (by["code"].share.k, by["code"].share.n, by["code"].ids) == (1, 2, ("c1",))
     assert (by["prose"].share.k, by["prose"].share.n) == (1, 1) and by["all"].share.k == 2
+
+
+def test_rows_over_the_prompts_that_do_not_loop() -> None:
+    """A policy that falls into the full model's loop agrees to the end: the "not looping" rows leave such prompts
+    out (here l1 loops with period 2 over 24 tokens and agrees fully; c1 does not loop and diverges at once)."""
+    from harness.domain.generation import NOT_LOOPING
+
+    loop = [5, 6] * 12
+    prompts = [Prompt("l1", "humaneval", "def f():"), Prompt("c1", "humaneval", "def g():")]
+    runs = {FULL: {"l1": _gen(loop), "c1": _gen(list(range(20, 44)))},
+            "substitute-all": {"l1": _gen(loop, mass=0.5), "c1": _gen([0] + list(range(21, 44)), mass=0.5)}}
+    rows, _, _ = summarize(prompts, runs, ["substitute-all"])
+    by = {r.kind: r for r in rows}
+    assert by["humaneval"].n == 2 and by["humaneval"].prefix.mean == 12.0  # (24 + 0) / 2, inflated by the loop
+    assert by[NOT_LOOPING].n == 1 and by[NOT_LOOPING].prefix.mean == 0.0
+    no_loop = {FULL: {"c1": runs[FULL]["c1"]}, "substitute-all": {"c1": runs["substitute-all"]["c1"]}}
+    rows, _, _ = summarize(prompts[1:], no_loop, ["substitute-all"])
+    assert NOT_LOOPING not in {r.kind for r in rows}  # nothing loops: no extra rows

@@ -70,6 +70,9 @@ class GenerateOptions:
     argv: tuple[str, ...] = ()
 
 
+NOT_LOOPING = "not looping"  # the rows over the prompts whose full-model generation does not end in a loop
+
+
 @dataclass(frozen=True)
 class PromptOutcome:
     """One prompt under one policy, against the full model."""
@@ -191,6 +194,12 @@ def summarize(prompts: Sequence[Prompt], runs: Mapping[str, Mapping[str, Mapping
             rows.append(kind_row(pol, k, [o for o in per[pol] if o.kind == k], n_boot=n_boot, seed=seed))
         if len(kinds) > 1:
             rows.append(kind_row(pol, "all", per[pol], n_boot=n_boot, seed=seed))
+        # agreement is inflated by the full model's own loops (a policy that falls into the same loop agrees to the
+        # end): the same rows over the prompts whose full-model generation does not loop
+        looping = {p.id for p in prompts if degenerates(list(runs[FULL][p.id]["tokens"]))}
+        clean = [o for o in per[pol] if o.id not in looping]
+        if looping and clean:
+            rows.append(kind_row(pol, NOT_LOOPING, clean, n_boot=n_boot, seed=seed))
     corr: list[MassAgreement] = []
     for k in [*kinds, *(["all"] if len(kinds) > 1 else [])]:
         pts = [(r.mass, r.prefix.mean) for r in rows

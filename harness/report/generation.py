@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from harness.domain.generation import GenerationResult, KindRow
+from harness.domain.generation import NOT_LOOPING, GenerationResult, KindRow
 from harness.report.tables import md_table, shown
 from harness.stats.degeneration import MAX_PERIOD, MIN_SPAN
 
@@ -51,10 +51,13 @@ def generation_section(result: GenerationResult, heading: str = "##") -> list[st
                   + ", ".join(f"{a if len(a) <= 12 else a[:12] + '...'} x{n}" for a, n in refs.most_common())
                   + f"; {len(refs)} distinct among {sum(refs.values())}: the fewer distinct answers, the more "
                   "answer agreement happens by chance.", ""]
-    for kind in [*result.n_prompts, "all"]:
+    for kind in [*result.n_prompts, "all", NOT_LOOPING]:
         rows = [r for r in result.rows if r.kind == kind]
         if rows:
-            lines += [f"{heading}# {kind}", "", md_table(HEADER, [row_cells(r) for r in rows]), ""]
+            why = ([f"Over the {rows[0].n} prompts whose full-model generation does not end in a loop (below): a "
+                    "policy that falls into the full model's loop agrees with it to the end, which inflates the "
+                    "rows above.", ""] if kind == NOT_LOOPING else [])
+            lines += [f"{heading}# {kind}", "", *why, md_table(HEADER, [row_cells(r) for r in rows]), ""]
     if result.degenerate:
         lines += [f"{heading}# The full model's generations: degenerate?", "",
                   "A generation degenerates when it ends in a loop: a suffix repeating with a period of at most "
