@@ -5,7 +5,7 @@ cache from the calibration profile) and prints, per model, the regime (fetch-all
 (substitute-all against the full model), the rule against the full model, P (substitute-all against the rule) and
 the verdict by the committed rule (P's CI low > S/2: held; P's CI high < S/2: did not hold; else inconclusive):
 
-    .venv/bin/python scripts/warm_finding1.py eval/study-warm/studymoe eval/study-warm/localmoe > eval/study-warm/table.md
+    .venv/bin/python scripts/warm_finding1.py eval/study-warm/studymoe eval/study-warm/localmoe
 
 A reader of the records, not a run: the NLL dumps (not committed) must be in <folder>/nll.
 """

@@ -130,9 +130,9 @@ def size_from_json(d: Any) -> Size | None:
     return Size(d.get("bytes"), d.get("fraction")) if isinstance(d, dict) else None
 
 
-def warm_from_json(o: dict[str, Any]) -> dict[str, Path | None]:
-    """The warm start's options of a meta record (absent in the folders made before warm starts: cold)."""
-    return {k: Path(o[k]) if o.get(k) else None for k in ("warm_from", "warm_profile")}
+def opt_path(v: Any) -> Path | None:
+    """A path option of a meta record (absent, as the warm start's in the folders made before it: None)."""
+    return Path(v) if v else None
 
 
 def compare_options_from_json(o: dict[str, Any], out: Path, model: Path | None = None) -> CompareOptions:
@@ -144,7 +144,8 @@ def compare_options_from_json(o: dict[str, Any], out: Path, model: Path | None =
         threads=o.get("threads"), reserve_bytes=int(o["reserve_bytes"]), speed=bool(o["speed"]),
         quality=bool(o["quality"]), bench_cache_mode=str(o["bench_cache_mode"]), n_boot=int(o["n_boot"]),
         seed=int(o["seed"]), profile=o.get("profile"), argv=tuple(o.get("argv", ())), ram=size_from_json(o.get("ram")),
-        **warm_from_json(o))
+        warm_from=opt_path(o.get("warm_from")),
+        warm_profile=opt_path(o.get("warm_profile")))
 
 
 def sweep_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
@@ -155,7 +156,8 @@ def sweep_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
     return SweepOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
                         n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
                         n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
-                        argv=tuple(o.get("argv", ())), **warm_from_json(o))
+                        argv=tuple(o.get("argv", ())), warm_from=opt_path(o.get("warm_from")),
+        warm_profile=opt_path(o.get("warm_profile")))
 
 
 def frontier_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
@@ -170,7 +172,8 @@ def frontier_options_from_json(o: dict[str, Any], g: dict[str, Any], out: Path,
     return FrontierOptions(out=out, model=model or Path(o["model"]), text=Path(o["text"]), grid=grid,
                            n_ctx=int(o["n_ctx"]), chunks=o.get("chunks"), threads=o.get("threads"),
                            n_boot=int(o["n_boot"]), seed=int(o["seed"]), profile=str(o["profile"]),
-                           argv=tuple(o.get("argv", ())), **warm_from_json(o))
+                           argv=tuple(o.get("argv", ())), warm_from=opt_path(o.get("warm_from")),
+        warm_profile=opt_path(o.get("warm_profile")))
 
 
 def _model_stat(model: Path) -> list[Any]:
