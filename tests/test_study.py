@@ -41,7 +41,8 @@ def _sweep(mass: MassHypothesis, rows: tuple[SweepRow, ...] = ()) -> SweepResult
 
 def _compare(tmp_path: Path, quality: tuple[QualityRow, ...]) -> CompareResult:
     model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
+    if not model.exists():  # written once: its mtime is in the fingerprint, and a second call resumes the first
+        model.write_bytes(b"GGUF")
     base = run_compare(CompareOptions(out=tmp_path / "o", model=model, speed=False), FakeRunner(), _info(),
                        env=FakeEnv(tmp_path))
     return replace(base, quality=quality)
