@@ -872,7 +872,54 @@ def default_work(shape: str) -> Path:
     return Path(cache) / shape
 
 
-def main() -> int:
+def config_from_args(args: argparse.Namespace, error) -> Config:
+    """The run's Config: the shape's, with each option the user gave over it (an option left out keeps the
+    shape's value)."""
+    cfg = Config(**SHAPES[args.shape])
+    if args.threads is not None:
+        cfg.threads = args.threads
+    if args.lr is not None:
+        cfg.lr = args.lr
+    if args.warmup is not None:
+        cfg.warmup = args.warmup
+    if args.ditto is not None:
+        if not 0 <= args.ditto < 1:
+            error("--ditto: a share in [0, 1)")
+        cfg.ditto_frac = args.ditto
+    if args.capacity_factor is not None:
+        cfg.capacity_factor = args.capacity_factor
+    if args.aux_coef is not None:
+        cfg.aux_loss_coef = args.aux_coef
+    if args.aux_scope is not None:  # not unconditionally: that overrode the localmoe shape's "global" with "batch"
+        cfg.aux_scope = args.aux_scope
+    if args.aux_ema is not None:
+        if not 0 < args.aux_ema < 1:
+            error("--aux-ema: a decay in (0, 1)")
+        cfg.aux_ema = args.aux_ema
+    if args.locality_coef is not None:
+        cfg.locality_coef = args.locality_coef
+    if args.locality_window is not None:
+        if args.locality_window < 1 or cfg.n_ctx % args.locality_window:
+            error(f"--locality-window: a divisor of the context ({cfg.n_ctx})")
+        cfg.locality_window = args.locality_window
+    if args.precision != "auto":
+        cfg.precision = args.precision
+    elif args.stage in ("train", "all"):
+        import torch
+        cfg.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+    if args.steps is not None:
+        cfg.steps = args.steps
+    if args.decay_start is not None:
+        cfg.decay_start = args.decay_start
+    if (args.stable_steps is None) != (args.decay_steps is None):
+        error("--stable-steps and --decay-steps go together")
+    if args.stable_steps is not None:
+        cfg.decay_start = args.stable_steps
+        cfg.steps = args.stable_steps + args.decay_steps
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", default="all", choices=["tokenizer", "train", "export", "eval", "all"])
     ap.add_argument("--shape", default="tinymoe", choices=sorted(SHAPES))
@@ -909,8 +956,8 @@ def main() -> int:
     ap.add_argument("--capacity-factor", type=float, default=None,
                     help="training capacity per expert in fair shares of a batch (0: none dropped)")
     ap.add_argument("--aux-coef", type=float, default=None, help="load-balancing loss coefficient (default 0.01)")
-    ap.add_argument("--aux-scope", default="batch", choices=["batch", "global"],
-                    help="balance each micro-batch, or the load averaged over steps (default: %(default)s)")
+    ap.add_argument("--aux-scope", default=None, choices=["batch", "global"],
+                    help="balance each micro-batch, or the load averaged over steps (default: the shape's; batch)")
     ap.add_argument("--aux-ema", type=float, default=None, help="decay of the averaged load for --aux-scope global")
     ap.add_argument("--locality-coef", type=float, default=None,
                     help="weight of the per-window router entropy (routing locality; default 0: off)")
@@ -921,49 +968,15 @@ def main() -> int:
     ap.add_argument("--quantize", default=None, metavar="TYPE",
                     help="after the export, also write <out> quantized to TYPE (e.g. q8_0) with the stock build's "
                          "llama-quantize (the pin's own converter path)")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     work = Path(args.work) if args.work else default_work(args.shape)
     out = Path(args.out) if args.out else ROOT / "models" / f"{args.shape}-f16.gguf"
-    cfg = Config(**SHAPES[args.shape])
-    if args.threads is not None:
-        cfg.threads = args.threads
-    if args.lr is not None:
-        cfg.lr = args.lr
-    if args.warmup is not None:
-        cfg.warmup = args.warmup
-    if args.ditto is not None:
-        if not 0 <= args.ditto < 1:
-            ap.error("--ditto: a share in [0, 1)")
-        cfg.ditto_frac = args.ditto
-    if args.capacity_factor is not None:
-        cfg.capacity_factor = args.capacity_factor
-    if args.aux_coef is not None:
-        cfg.aux_loss_coef = args.aux_coef
-    cfg.aux_scope = args.aux_scope
-    if args.aux_ema is not None:
-        if not 0 < args.aux_ema < 1:
-            ap.error("--aux-ema: a decay in (0, 1)")
-        cfg.aux_ema = args.aux_ema
-    if args.locality_coef is not None:
-        cfg.locality_coef = args.locality_coef
-    if args.locality_window is not None:
-        if args.locality_window < 1 or cfg.n_ctx % args.locality_window:
-            ap.error(f"--locality-window: a divisor of the context ({cfg.n_ctx})")
-        cfg.locality_window = args.locality_window
-    if args.precision != "auto":
-        cfg.precision = args.precision
-    elif args.stage in ("train", "all"):
-        import torch
-        cfg.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
-    if args.steps is not None:
-        cfg.steps = args.steps
-    if args.decay_start is not None:
-        cfg.decay_start = args.decay_start
-    if (args.stable_steps is None) != (args.decay_steps is None):
-        ap.error("--stable-steps and --decay-steps go together")
-    if args.stable_steps is not None:
-        cfg.decay_start = args.stable_steps
-        cfg.steps = args.stable_steps + args.decay_steps
+    cfg = config_from_args(args, ap.error)
     ckpt = work / out.name
     if args.stage in ("tokenizer", "all"):
         train_tokenizer(cfg, work, Path(args.tokenizer) if args.tokenizer else None)
