@@ -7,6 +7,7 @@ the verdict by the committed rule (P's CI low > S/2: held; P's CI high < S/2: di
 
     .venv/bin/python scripts/warm_finding1.py eval/study-warm/studymoe eval/study-warm/localmoe
 
+then, per domain of the text (code, prose, tables: harness study's split), S and the rule against the full model.
 A reader of the records, not a run: the NLL dumps (not committed) must be in <folder>/nll.
 """
 
@@ -22,6 +23,9 @@ sys.path.insert(0, str(ROOT))
 from harness.domain.verdicts import above  # noqa: E402
 from harness.parsers.nll_dump import read_nll_dump_file  # noqa: E402
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl  # noqa: E402
+
+
+SAME_TOKENIZER = {"localmoe": "studymoe"}  # localmoe is studymoe trained on (models/localmoe.md)
 
 
 def fmt(d: DeltaPPL) -> str:
@@ -51,12 +55,39 @@ def row(folder: Path) -> str:
             f"{verdict} | {s.n_tokens:,} |")
 
 
+def domain_table(folder: Path) -> list[str]:
+    from harness.orchestration.study_domains import study_domain_rows
+
+    recs = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines() if x.strip()]
+    meta = next(x for x in recs if x.get("kind") == "meta")
+    nll = {r["config"]: read_nll_dump_file(folder / "nll" / Path(r["nll_dump"]).name)
+           for r in recs if r.get("kind") == "ppl"}
+    key = {c.split(" ")[0]: c for c in nll}
+    stem = Path(meta["options"]["model"]).name.split("-")[0]
+    tok = ROOT / "models" / f"{SAME_TOKENIZER.get(stem, stem)}-tokenizer.json"
+    rows, why = study_domain_rows(Path(meta["options"]["text"]), tok if tok.is_file() else None, nll,
+                                  [("S: substitute-all vs full", key["full"], key["substitute-all"]),
+                                   ("the 0.15 rule vs full", key["full"], key["threshold"])])
+    if not rows:
+        return [f"{folder}: {why}"]
+    out = []
+    for r in rows:
+        cells = " | ".join(f"{d}: {fmt(x)}" if x is not None else f"{d}: -" for d, x in r.by_domain)
+        out.append(f"| {Path(meta['options']['model']).name} | {r.comparison} | {fmt(r.whole)} | {cells} |")
+    return out
+
+
 def main() -> int:
     print("| model | fetch-all hit rate (warm, 25%) | 0.15 rule substitutes | substitute-all substitutes | S: "
           "substitute-all vs full | the 0.15 rule vs full | P: substitute-all vs the rule | S/2 | 1b | scored tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for f in sys.argv[1:]:
         print(row(Path(f)))
+    print()
+    print("| model | comparison | whole text | per domain |")
+    print("|---|---|---|---|")
+    for f in sys.argv[1:]:
+        print("\n".join(domain_table(Path(f))))
     return 0
 
 
