@@ -7,7 +7,8 @@ the verdict by the committed rule (P's CI low > S/2: held; P's CI high < S/2: di
 
     .venv/bin/python scripts/warm_finding1.py eval/study-warm/studymoe eval/study-warm/localmoe
 
-then, per domain of the text (code, prose, tables: harness study's split), S and the rule against the full model.
+then, per domain of the text (code, prose, tables: harness study's split), S and the rule against the full model; a
+folder with substitute-all alone (a sweep from another calibration text) gives its S per domain only.
 A reader of the records, not a run: the NLL dumps (not committed) must be in <folder>/nll.
 """
 
@@ -65,9 +66,10 @@ def domain_table(folder: Path) -> list[str]:
     key = {c.split(" ")[0]: c for c in nll}
     stem = Path(meta["options"]["model"]).name.split("-")[0]
     tok = ROOT / "models" / f"{SAME_TOKENIZER.get(stem, stem)}-tokenizer.json"
-    rows, why = study_domain_rows(Path(meta["options"]["text"]), tok if tok.is_file() else None, nll,
-                                  [("S: substitute-all vs full", key["full"], key["substitute-all"]),
-                                   ("the 0.15 rule vs full", key["full"], key["threshold"])])
+    pairs = [("S: substitute-all vs full", key["full"], key["substitute-all"])]
+    if "threshold" in key:
+        pairs.append(("the 0.15 rule vs full", key["full"], key["threshold"]))
+    rows, why = study_domain_rows(Path(meta["options"]["text"]), tok if tok.is_file() else None, nll, pairs)
     if not rows:
         return [f"{folder}: {why}"]
     out = []
@@ -82,7 +84,8 @@ def main() -> int:
           "substitute-all vs full | the 0.15 rule vs full | P: substitute-all vs the rule | S/2 | 1b | scored tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for f in sys.argv[1:]:
-        print(row(Path(f)))
+        if (Path(f) / "stats").is_dir() and any(Path(f, "stats").glob("threshold_*")):
+            print(row(Path(f)))
     print()
     print("| model | comparison | whole text | per domain |")
     print("|---|---|---|---|")
