@@ -25,7 +25,6 @@ from harness.domain.verdicts import above  # noqa: E402
 from harness.parsers.nll_dump import read_nll_dump_file  # noqa: E402
 from harness.stats.intervals import DeltaPPL, paired_delta_ppl  # noqa: E402
 
-
 SAME_TOKENIZER = {"localmoe": "studymoe"}  # localmoe is studymoe trained on (models/localmoe.md)
 
 

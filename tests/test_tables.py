@@ -92,3 +92,13 @@ def test_config_block_keeps_every_captured_field_in_order() -> None:
     captured = list(json.loads(path.read_text())["config"])
     assert [f for f in fields if f in captured] == captured, "the config block lost or reordered a field"
     assert {"band_lo", "band_hi", "band_min_rank", "band_max_rank"} <= set(fields)
+
+
+def test_the_docs_key_table_is_the_parsers() -> None:
+    """docs/spec-keys.md, the one table of the spec keys for users, names every key of LLAMA_EXPERT_SPEC_KEYS and
+    no other (its first column: one or more backticked keys a row)."""
+    text = (project.project_root() / "docs" / "spec-keys.md").read_text()
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    documented = [k for cell in rows for k in re.findall(r"`(\w+)`", cell)]
+    assert len(documented) == len(set(documented)), "a key has two rows"
+    assert set(documented) == set(cpp_keys()), (set(cpp_keys()) - set(documented), set(documented) - set(cpp_keys()))

@@ -200,7 +200,7 @@ DEFAULT_MODEL_NAME = "tinymoe-f16.gguf"
 
 def default_model(root: Path | None = None) -> Path:
     """The project's trained model: the one .gguf under models/, or with several the default, DEFAULT_MODEL_NAME
-    (README)."""
+    (docs/commands.md, harness compare)."""
     base = (root or project.project_root()) / "models"
     found = sorted(base.glob("*.gguf")) if base.is_dir() else []
     if len(found) == 1:

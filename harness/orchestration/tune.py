@@ -483,7 +483,7 @@ def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, 
     estimated grid points within the bound (rows of role "grid": their delta-PPL is their rung's emulate check where
     one ran): a warm-up process each, then `runs` processes each interleaved, their CV checked and measured again
     once when unstable (`_speeds`). On a CPU build without repacking: the engine copies experts slot by slot from
-    their plain layout (README)."""
+    their plain layout (docs/running.md)."""
     by_name = {p.candidate.name: p.candidate for p in points}
     configs: list[tuple[str, Candidate]] = []
     for r in rows:
