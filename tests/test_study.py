@@ -78,7 +78,8 @@ def test_verdicts_held_on_the_studys_numbers(tmp_path: Path) -> None:
                  _matched(q=_d(0.2, -0.1, 0.5), r=_d(1.0, 0.4, 1.6)))
     assert [x.held for x in v] == [True, True, True, True, True]
     assert "substitutes 7.5% of calls, lightest-first 7.8%" in v[0].evidence
-    assert "4 distinct policies" in v[2].evidence
+    assert "4 families, 8 points without fetch-all" in v[2].evidence and "cluster bootstrap" in v[2].evidence
+    assert "the earlier rule, 4 distinct policies" in v[2].evidence
 
 
 def test_verdicts_that_did_not_hold_or_could_not_be_tested(tmp_path: Path) -> None:
@@ -215,7 +216,9 @@ def test_the_whole_study_runs_the_matched_runs_and_applies_the_rules(tmp_path: P
     assert "## Per domain\n\nno t-sources.json beside the text: no domains" in md
     # finding 2: cache-route and first-choice (both 0.2 here) one distinct policy; 7 admission pairs (5 taus,
     # first-choice, cache-route), each paired on the sweep's NLL dumps
-    assert "7 distinct policies (fetch-all; threshold tau=0.05;" in md and "; cache-route+first-choice)" in md
+    assert "7 families, 14 points without fetch-all (threshold tau=0.05," in md
+    assert "the earlier rule, 7 distinct policies (fetch-all; threshold tau=0.05;" in md
+    assert "; cache-route+first-choice)" in md
     assert "admission lowers the mass and raises delta-PPL in 0 of 7 pairs" in md
     assert "threshold tau=0.4: mass 0.0400 -> 0.0400, delta +4.08% -> +4.08%, on vs off +0.00%" in md
     again = MatchedFake()

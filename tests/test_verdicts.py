@@ -10,13 +10,14 @@ from harness.domain.verdicts import (
     Arm,
     MassPoint,
     distinct_policies,
+    family_mass,
     finding1_verdict,
     finding2_verdict,
     finding4_verdict,
     finding5_verdict,
     rank_weight_verdict,
 )
-from harness.stats.intervals import DeltaPPL
+from harness.stats.intervals import DeltaPPL, cluster_bootstrap_pearson, pearson_fisher
 
 
 def _d(delta: float, low: float, high: float) -> DeltaPPL:
@@ -61,6 +62,7 @@ def test_rank_against_weight() -> None:
 
 
 def test_distinct_policies_merge_admission_pairs_and_matching_masses() -> None:
+    """The earlier rule, still reported beside finding 2's verdict."""
     pts = [MassPoint("fetch-all", "off", 0.0, 0.0), MassPoint("fetch-all", "0.5", 0.0, 0.0),
            MassPoint("tau=0.05", "off", 0.010, 0.5), MassPoint("tau=0.05", "0.5", 0.008, 0.7),
            MassPoint("tau=0.15", "off", 0.030, 1.0), MassPoint("tau=0.15", "0.5", 0.026, 1.2),
@@ -72,27 +74,63 @@ def test_distinct_policies_merge_admission_pairs_and_matching_masses() -> None:
     assert math.isclose(d.points[1][0], 0.009) and math.isclose(d.points[1][1], 0.6)
     assert math.isclose(d.points[3][0], 0.0585) and math.isclose(d.points[3][1], 2.15)
     assert d.correlation is not None and d.correlation.n == 4 and d.correlation.r > 0.99
-    held = finding2_verdict(d)
-    assert held.held is True and "4 distinct policies" in held.evidence and "n = 4" in held.evidence
-    # three distinct points: inconclusive
-    three = distinct_policies([p for p in pts if p.family != "tau=0.15"])
-    assert three.correlation is None and finding2_verdict(three).held is None
-    # mass goes down while delta goes up: r <= 0, did not hold
-    neg = distinct_policies([MassPoint(f"t{i}", "off", m, dl)
-                             for i, (m, dl) in enumerate([(0.01, 2.0), (0.02, 1.5), (0.04, 1.6), (0.08, 0.5)])])
+    assert distinct_policies([p for p in pts if p.family != "tau=0.15"]).correlation is None  # three points
+
+
+def _fams(rows: list[tuple[float, float]], *, both: bool = True) -> list[MassPoint]:
+    """Families t0, t1, ... with admission off at (mass, delta) and on at a slightly lower mass and higher delta."""
+    out = [MassPoint("fetch-all", "off", 0.0, 0.0)]
+    for i, (m, dl) in enumerate(rows):
+        out.append(MassPoint(f"t{i}", "off", m, dl))
+        if both:
+            out.append(MassPoint(f"t{i}", "0.5", 0.9 * m, dl + 0.1))
+    return out
+
+
+def test_finding2_by_families_without_the_anchor() -> None:
+    f = family_mass(_fams([(0.01, 0.5), (0.02, 0.9), (0.04, 1.8), (0.08, 3.9), (0.1, 4.6)]))
+    assert f.families == ("t0", "t1", "t2", "t3", "t4") and f.n_points == 10  # fetch-all left out
+    c = f.correlation
+    assert c is not None and c.n == 10 and c.r > 0.99 and c.low > 0.9 and "5 clusters" in c.method
+    v = finding2_verdict(f)
+    assert v.held is True and "5 families, 10 points without fetch-all" in v.evidence
+    # mass goes down while delta goes up: did not hold
+    neg = family_mass(_fams([(0.01, 2.0), (0.02, 1.5), (0.04, 1.6), (0.08, 0.5)]))
     assert neg.correlation is not None and neg.correlation.r < 0 and finding2_verdict(neg).held is False
-    # positive but weak on 4 points: the CI contains 0
-    weak = distinct_policies([MassPoint(f"t{i}", "off", m, dl)
-                              for i, (m, dl) in enumerate([(0.01, 1.0), (0.02, 0.2), (0.04, 1.4), (0.08, 1.2)])])
-    assert weak.correlation is not None and weak.correlation.r > 0 and weak.correlation.low < 0
-    assert finding2_verdict(weak).held is None
+    # three families (whatever fetch-all adds): inconclusive
+    three = family_mass(_fams([(0.01, 0.5), (0.02, 0.9), (0.04, 1.8)]))
+    assert three.correlation is None and "3 families" in three.note and finding2_verdict(three).held is None
+
+
+def test_a_same_mass_counterexample_is_not_averaged_away() -> None:
+    """The cold studymoe case: cache-route at tau 0.1's mass with several times its delta. The earlier rule merges
+    the two into one point; by families the resampled r's lower end falls below 0: inconclusive."""
+    rows = [(0.01, 0.3), (0.02, 1.13), (0.021, 4.05), (0.04, 1.9), (0.06, 2.6)]
+    pts = _fams(rows)
+    f = family_mass(pts)
+    assert f.correlation is not None and f.correlation.r > 0 and f.correlation.low < 0
+    assert finding2_verdict(f, distinct=distinct_policies(pts)).held is None
+    assert ("t1", "t2") in distinct_policies(pts).groups  # averaged into one point there
+
+
+def test_the_cluster_bootstrap_counts_clusters_not_points() -> None:
+    """Ten copies of each of 4 noisy points: Fisher z counts 40 points and excludes 0; the clusters are 4."""
+    base = [(0.01, 1.0), (0.02, 0.2), (0.04, 1.4), (0.08, 1.2)]
+    x = [m for m, _ in base for _ in range(10)]
+    y = [dl for _, dl in base for _ in range(10)]
+    labels = [f"f{i}" for i in range(4) for _ in range(10)]
+    fisher = pearson_fisher(x, y)
+    boot = cluster_bootstrap_pearson(x, y, labels)
+    assert math.isclose(fisher.r, boot.r) and fisher.low > 0 and boot.low < 0
+    again = cluster_bootstrap_pearson(x, y, labels)
+    assert (again.low, again.high) == (boot.low, boot.high)  # seeded
 
 
 def test_admission_pairs_are_reported_within_each_tau() -> None:
-    d = distinct_policies([MassPoint(f"t{i}", "off", 0.01 * 2 ** i, float(i)) for i in range(4)])
+    f = family_mass(_fams([(0.01 * 2 ** i, float(i)) for i in range(4)]))
     pairs = [AdmissionPair("tau=0.15", 0.030, 0.026, 1.0, 1.2, _d(0.2, -0.1, 0.5)),
              AdmissionPair("tau=0.4", 0.060, 0.061, 2.0, 1.9, None)]
-    v = finding2_verdict(d, pairs)
+    v = finding2_verdict(f, pairs)
     assert "in 1 of 2 pairs" in v.evidence and "on vs off +0.20% [95% CI -0.10, +0.50]" in v.evidence
     assert "tau=0.15: mass 0.0300 -> 0.0260, delta +1.00% -> +1.20%" in v.evidence
 

@@ -12,7 +12,7 @@ from harness.core.errors import HarnessError
 from harness.domain.composition import CalibStep, Composition
 from harness.domain.finding import Verdict
 from harness.parsers.nll_dump import NllDump
-from harness.stats.intervals import Correlation, DeltaPPL, pearson_fisher
+from harness.stats.intervals import Correlation, DeltaPPL, cluster_bootstrap_pearson, pearson_fisher
 
 MATCH = 0.10  # two runs match in rate or mass when they differ by at most 10% of their mean
 SPEED_MARGIN = 0.5  # finding 5b's equivalence margin, percentage points of delta-PPL
@@ -20,7 +20,7 @@ RANK_LO = 0.15  # the heavy non-first band's lower edge (the 0.15 rule's)
 
 FINDING1 = "1. loss concentrated in the few heavily weighted substitutions"
 RANK_WEIGHT = "1 and 3. weight, not rank: at equal mass, heavy non-first choices hurt more than light first choices"
-FINDING2 = "2. mass hypothesis, on distinct policies"
+FINDING2 = "2. mass hypothesis, by families"
 FINDING4 = "4. admission at beta 0.5 lowers perplexity, most right after topic changes"
 FINDING5 = "5. quality-first lowers PPL vs the 0.15 rule; speed-first costs no significant PPL and fetches less"
 
@@ -199,19 +199,53 @@ def distinct_policies(points: Sequence[MassPoint], *, tolerance: float = MATCH) 
         return DistinctMass(names, pts, None, str(e))
 
 
-def finding2_verdict(d: DistinctMass, pairs: Sequence[AdmissionPair] = (), all_points: Correlation | None = None
-                     ) -> Verdict:
-    """Held if n >= 4 distinct points and r's CI low > 0; did not hold if r <= 0; inconclusive otherwise."""
-    rules = "Held if r's CI over at least 4 distinct policies lies above 0; did not hold if r <= 0"
-    groups = "; ".join("+".join(g) for g in d.groups)
-    text = f"{len(d.points)} distinct policies ({groups})"
+@dataclass(frozen=True)
+class FamilyMass:
+    """Finding 2 by families (docs/study-verdicts.md, "Finding 2 by families"): r over every first-choice-fetching
+    run but fetch-all's, its CI by a cluster bootstrap over the families."""
+
+    families: tuple[str, ...]
+    n_points: int
+    correlation: Correlation | None
+    note: str = ""
+
+
+EXACT_ANCHOR = "fetch-all"  # mass 0 and delta exactly 0 by construction: left out of finding 2's fit
+
+
+def family_mass(points: Sequence[MassPoint], *, n_boot: int = 2000, seed: int = 0) -> FamilyMass:
+    """Every point but the exact anchor's, clustered by family (admission on and off are two points of one)."""
+    pts = [p for p in points if p.family != EXACT_ANCHOR]
+    fams = tuple(dict.fromkeys(p.family for p in pts))
+    if len(fams) < 4:
+        return FamilyMass(fams, len(pts), None, f"{len(fams)} families: at least 4 are needed")
+    try:
+        return FamilyMass(fams, len(pts), cluster_bootstrap_pearson(
+            [p.mass for p in pts], [p.delta_pct for p in pts], [p.family for p in pts], n_boot=n_boot, seed=seed))
+    except HarnessError as e:  # constant mass or delta
+        return FamilyMass(fams, len(pts), None, str(e))
+
+
+def finding2_verdict(f: FamilyMass, pairs: Sequence[AdmissionPair] = (), distinct: DistinctMass | None = None,
+                     all_points: Correlation | None = None) -> Verdict:
+    """Held if at least 4 families and r's cluster-bootstrap CI low > 0; did not hold if r <= 0; inconclusive
+    otherwise. The earlier rule's figures (`distinct`, `all_points`) are reported beside it."""
+    rules = ("Held if r's CI (a cluster bootstrap over at least 4 families, fetch-all left out) lies above 0; did not "
+             "hold if r <= 0")
+    text = f"{len(f.families)} families, {f.n_points} points without fetch-all ({', '.join(f.families)})"
     held: bool | None = None
-    if d.correlation is None:
-        text += f": {d.note}"
+    if f.correlation is None:
+        text += f": {f.note}"
     else:
-        c = d.correlation
-        text += f": Pearson r = {c.r:.3f} [95% CI {c.low:.3f}, {c.high:.3f}, Fisher z, n = {c.n}]"
+        c = f.correlation
+        text += f": Pearson r = {c.r:.3f} [95% CI {c.low:.3f}, {c.high:.3f}, {c.method}]"
         held = True if c.low > 0 else False if c.r <= 0 else None
+    if distinct is not None:
+        groups = "; ".join("+".join(g) for g in distinct.groups)
+        text += f"; the earlier rule, {len(distinct.points)} distinct policies ({groups})"
+        d = distinct.correlation
+        text += (f": r = {d.r:.3f} [{d.low:.3f}, {d.high:.3f}, Fisher z, n = {d.n}]" if d is not None
+                 else f": {distinct.note}")
     if all_points is not None:
         text += (f"; over all {all_points.n} points as if independent r = {all_points.r:.3f} "
                  f"[{all_points.low:.3f}, {all_points.high:.3f}]")

@@ -16,7 +16,7 @@ harness.domain.verdicts), each held / did not hold / inconclusive:
 1. the loss is concentrated in the few heavily weighted substitutions: substitute-all vs the 0.15 rule above half
    of substitute-all's loss, and the rule no worse than lightest-first at its count (within a quarter of it);
 1 and 3. weight, not rank: at equal mass, heavy non-first choices hurt more than light first choices;
-2. the mass hypothesis on distinct policies (admission on/off and matching masses merged), admission pairs per tau;
+2. the mass hypothesis by families (a cluster bootstrap over families, fetch-all left out), admission pairs per tau;
 3. at equal substituted mass, a few heavy substitutions hurt more than many light ones (harness.domain.composition);
 4. background admission (beta 0.5) lowers perplexity, most right after topic changes;
 5. quality-first lowers perplexity against the 0.15 rule; speed-first does not raise it beyond 0.5 points and fetches
@@ -62,6 +62,7 @@ from harness.domain.verdicts import (
     MatchedResult,
     arm,
     distinct_policies,
+    family_mass,
     finding1_verdict,
     finding2_verdict,
     finding4_verdict,
@@ -129,7 +130,8 @@ def verdicts(res: CompareResult, pairs: dict[str, DeltaPPL], sw: SweepResult, to
     rw = rank_weight_verdict(arm(matched.heavy_nonfirst) if matched else None,
                              arm(matched.light_first) if matched else None, matched.r if matched else None,
                              note="; ".join(matched.notes) if matched and matched.notes else "")
-    f2 = finding2_verdict(distinct_policies(mass_points(sw.rows)), adm_pairs, sw.mass.correlation)
+    pts = mass_points(sw.rows)
+    f2 = finding2_verdict(family_mass(pts), adm_pairs, distinct_policies(pts), sw.mass.correlation)
     a = pairs.get("quality vs rule-0.15")
     eff = topics.rows[2] if topics is not None and len(topics.rows) > 2 else None
     f4 = finding4_verdict(a, eff.after_change if eff else None, eff.elsewhere if eff else None,

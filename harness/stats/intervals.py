@@ -166,7 +166,8 @@ def paired_delta_ppl(base_nll: Sequence[float] | npt.NDArray[np.float64],
 
 @dataclass(frozen=True)
 class Correlation:
-    """Pearson r with a Fisher-z `level` CI: tanh(atanh(r) +/- z_{(1+level)/2} / sqrt(n - 3))."""
+    """Pearson r with a `level` CI: Fisher z, tanh(atanh(r) +/- z_{(1+level)/2} / sqrt(n - 3)), or a cluster
+    bootstrap (cluster_bootstrap_pearson)."""
 
     r: float
     low: float
@@ -174,10 +175,11 @@ class Correlation:
     n: int
     p_value: float
     level: float = 0.95
+    method: str = "Fisher z"
 
     @property
     def kind(self) -> str:
-        return f"{_level_label(self.level)}, Fisher z"
+        return f"{_level_label(self.level)}, {self.method}"
 
 
 def pearson_fisher(x: Sequence[float] | npt.NDArray[np.float64], y: Sequence[float] | npt.NDArray[np.float64],
@@ -198,6 +200,40 @@ def pearson_fisher(x: Sequence[float] | npt.NDArray[np.float64], y: Sequence[flo
     q = float(_sps.norm.ppf((1 + level) / 2))
     half = q / math.sqrt(n - 3)
     return Correlation(r, math.tanh(z - half), math.tanh(z + half), n, p, level)
+
+
+def cluster_bootstrap_pearson(x: Sequence[float] | npt.NDArray[np.float64],
+                              y: Sequence[float] | npt.NDArray[np.float64], clusters: Sequence[str], *,
+                              n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> Correlation:
+    """Pearson r of (x, y) with a percentile CI from resampling whole clusters with replacement: points of one
+    cluster (e.g. one policy family's runs) are not independent, so the clusters are the sample. A resample whose
+    x or y is constant has no r and is drawn again."""
+    a = np.asarray(x, dtype=np.float64)
+    b = np.asarray(y, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or len(clusters) != a.size:
+        raise HarnessError(f"correlation needs equal-length series and labels, got {a.shape}, {b.shape}, "
+                           f"{len(clusters)}")
+    names = list(dict.fromkeys(clusters))
+    if len(names) < 4:
+        raise HarnessError(f"a cluster bootstrap needs at least 4 clusters, got {len(names)}: add policies")
+    if float(a.std()) == 0.0 or float(b.std()) == 0.0:
+        raise HarnessError("correlation is undefined: one of the series is constant")
+    res = _sps.pearsonr(a, b)
+    members = [np.flatnonzero(np.asarray(clusters) == c) for c in names]
+    rng = np.random.default_rng(seed)
+    rs: list[float] = []
+    for _ in range(50 * n_boot):
+        sel = np.concatenate([members[i] for i in rng.integers(0, len(names), len(names))])
+        xa, yb = a[sel], b[sel]
+        if float(xa.std()) > 0.0 and float(yb.std()) > 0.0:
+            rs.append(float(np.corrcoef(xa, yb)[0, 1]))
+            if len(rs) == n_boot:
+                break
+    else:
+        raise HarnessError("a cluster bootstrap drew too many resamples without an r (constant mass or delta)")
+    lo, hi = np.quantile(rs, [(1 - level) / 2, (1 + level) / 2])
+    return Correlation(float(res.statistic), float(lo), float(hi), int(a.size), float(res.pvalue), level,
+                       f"cluster bootstrap over {len(names)} clusters, {n_boot} resamples")
 
 
 @dataclass(frozen=True)
