@@ -180,3 +180,37 @@ def test_the_tools_refuse_a_fifo_without_the_harness(tmp_path: Path, fifo: Path,
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("block", [1 << 20, 3])  # 3: the bad sequence can straddle two blocks
+def test_a_text_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path, block: int) -> None:
+    """llama.cpp's tokenizer aborts on an invalid UTF-8 sequence (stock too: std::invalid_argument, "invalid
+    codepoint"), so the harness refuses such a text before a tool starts, naming the offending byte."""
+    from harness.core.files import require_utf8_text
+
+    good = tmp_path / "good.txt"
+    good.write_text("déjà vu — 日本語\n" * 50, encoding="utf-8")
+    require_utf8_text(good, block=block)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("déjà vu ".encode() + b"\xff" + b"ok")
+    msg = _refused(lambda: require_utf8_text(bad, block=block), f"the text {bad} is not UTF-8",
+                   "byte 0xff at offset 10")
+    assert "iconv" in msg
+    cut = tmp_path / "cut.txt"  # ends inside a multi-byte sequence
+    cut.write_bytes(b"abc" + "é".encode()[:1])
+    _refused(lambda: require_utf8_text(cut, block=block), "is not UTF-8", "at offset 3")
+
+
+def test_the_commands_refuse_a_text_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli.app import main
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    model = write_synth_model(SynthSpec(), tmp_path / "m.gguf")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 ".encode("latin-1") * 100)
+    for cmd in ("compare", "sweep", "bpb"):
+        argv = [cmd, "--model", str(model), "--text", str(bad), "--out", str(tmp_path / cmd)] if cmd != "bpb" \
+            else [cmd, str(model), "--text", str(bad), "--out", str(tmp_path / cmd)]
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("harness: error: ") and "is not UTF-8 (byte 0xe9 at offset 3)" in err, (cmd, err)

@@ -81,3 +81,30 @@ def read_file_bytes(path: str | os.PathLike[str], what: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as e:
         raise HarnessError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def require_utf8_text(path: str | os.PathLike[str], what: str = "the text", *, block: int = 1 << 20) -> None:
+    """One line of HarnessError when the file is not UTF-8: llama.cpp's tokenizer aborts on an invalid sequence
+    ("terminate called after throwing an instance of 'std::invalid_argument' ... invalid codepoint"), stock too,
+    so the harness says it before a tool starts. Read in blocks: a text may be large."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes read before this block
+    try:
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(block)
+                pending = len(dec.getstate()[0])  # a sequence the previous block ended inside
+                try:
+                    dec.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    at = offset - pending + e.start
+                    raise HarnessError(
+                        f"{what} {path} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {at:,}): llama.cpp's "
+                        "tokenizer aborts on it; convert it first, e.g. `iconv -f LATIN1 -t UTF-8`") from None
+                if not chunk:
+                    return
+                offset += len(chunk)
+    except OSError as e:
+        raise HarnessError(f"cannot read {what} {path}: {e.strerror or e}") from None

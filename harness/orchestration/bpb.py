@@ -15,6 +15,7 @@ import numpy as np
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.files import require_utf8_text
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.bpb import MIN_CTX, BpbOptions, BpbResult, resolve_ctx
 from harness.domain.plan import RunSpec
@@ -38,6 +39,7 @@ def bpb_text(opts: BpbOptions, root: Path | None = None) -> Path:
         raise HarnessError(f"the text {text} is missing (or not a file)")
     if text.stat().st_size == 0:
         raise HarnessError(f"the text {text} is empty")
+    require_utf8_text(text, "the text")
     return text
 
 

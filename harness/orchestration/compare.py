@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness.core import project
 from harness.core.errors import HarnessError
-from harness.core.files import refuse_special
+from harness.core.files import refuse_special, require_utf8_text
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import STOCK, check_policies
 from harness.domain.options import CompareOptions
@@ -228,6 +228,7 @@ def resolve_text(text: Path | None, dataset: str | None, root: Path | None = Non
             f.read(1)
     except OSError as e:
         raise HarnessError(f"cannot read the text {path}: {e.strerror}") from None
+    require_utf8_text(path, "the text")
     return path
 
 

@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from harness.core import project
 from harness.core.errors import HarnessError
+from harness.core.files import require_utf8_text
 from harness.core.records import ResultsFile, prepare_out_dir
 from harness.domain.catalogue import FULL, check_policies, is_preset, policy_cache_spec
 from harness.domain.options import TopicOptions
@@ -138,6 +139,7 @@ def run_topic_shift(opts: TopicOptions, runner: Runner, info: ModelInfo, *, env:
     segments_path = text.with_suffix(".json")
     if not text.is_file() or not segments_path.is_file():
         raise HarnessError(f"the topic-change analysis needs {text} and its segments {segments_path}")
+    require_utf8_text(text, "the text")
     tokenizer = opts.tokenizer or _default_tokenizer(root)
     slots = slots_for_residency(opts.fraction, info.n_expert, info.n_expert_used)
     placement = Placement(n_cpu_moe=info.n_layers)
