@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -295,10 +295,7 @@ def _resolved(opts: TuneOptions) -> tuple[Path, Path]:
     return opts.model, opts.text
 
 
-def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo, *, env: TuneEnvironment,
-             progress: Progress = no_progress, warn: Warn = stderr_warn) -> TuneResult:
-    t0 = time.perf_counter()
-    model, text = _resolved(opts)
+def _check_options(opts: TuneOptions, text: Path) -> None:
     if not text.is_file():
         raise HarnessError(f"cannot read the text {text}: no such file")
     if not opts.max_delta_pct > 0:
@@ -309,10 +306,11 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     if opts.measure and opts.runs < 2:
         raise HarnessError(f"--runs {opts.runs}: at least 2 processes per configuration (a spread needs two; "
                            f"{SPEED_RUNS} or more recommended)")
-    candidates = tune_candidates(opts.grid, info)
-    notes: list[str] = []
 
-    # 1. this machine (the decode rate below, with the runs)
+
+def _this_machine(opts: TuneOptions, model: Path, info: ModelInfo, env: TuneEnvironment,
+                  notes: list[str]) -> tuple[str, MachineFacts]:
+    """Step 1: the tier the profile is for and this machine's facts (the decode rate comes with the runs)."""
     basics = env.machine(model, opts.readers, disk=False)
     host = opts.host or ("ram" if basics.gpus else "file")
     if host not in HOSTS:
@@ -325,48 +323,50 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
     if facts.gpus:
         notes.append("a GPU is present: its link and compute are not measured by harness tune yet; the base "
                      f"profile's ({opts.base_profile}) stand in")
+    return host, facts
 
-    identity = model_identity(info, model, env.fingerprint(model))
-    results = ResultsFile(opts.out / "results.jsonl")
-    builds = env.builds()
-    prov = env.provenance(builds, opts.argv, env.gpu())
-    opts = warm_start(opts, model, text, opts.out / "warm", runner, builds["patched"], info.n_expert,
-                      info.n_moe_layers)
-    fp = tune_fingerprint(model, text, opts, dict(prov.binaries))
-    meta: dict[str, Any] = {"command": "tune", "options": options_json(opts, TUNE_OPTION_KEYS)}
-    runs = _Runs(opts, model, text, runner, env, results, fp, progress, meta)
 
-    # 2. the trace and the full model's NLLs; the decode rate in memory
+def _trace_and_full_model(opts: TuneOptions, runs: _Runs, runner: Runner, info: ModelInfo) -> Path:
+    """Step 2a: the full model's NLLs and its router trace (recorded again for a resumed folder without it)."""
     trace = opts.out / "router.trace"
     full_cache = CacheSpec("emulate", "fetch-all", info.n_expert, str(opts.out / "stats" / "full.json"),
                            (("trace", str(trace)), ("trace_top", str(info.n_expert))))
     first = [runs.ppl_spec(FULL, full_cache)]
-    bench_threads, why = (opts.threads, "given") if opts.threads else env.default_threads()
     runs.run(first)
     if not trace.is_file():  # a resumed folder without its trace (not committed: tens of MB): record it again
-        progress(0, 1, "router trace (again)")
+        runs.progress(0, 1, "router trace (again)")
         again = replace(first[0].ppl, nll_dump=None, label="trace") if first[0].ppl else None
         if again is not None:
             runner.perplexity(runs.builds["patched"], again)
         if not trace.is_file():
             raise HarnessError(f"tune: the full model's run wrote no router trace at {trace}")
     check_trace_matches(trace, info)
-    speeds: dict[str, SpeedCheck] = {}
-    base = load_profile(opts.base_profile)
-    span: tuple[Profile, Profile] | None = None
-    if not facts.gpus:
-        notes.append(f"decode runs (llama-bench) use {bench_threads} thread{'s' if bench_threads != 1 else ''} ({why})")
-        req = BenchRequest(model, Placement(), n_prompt=0, n_gen=COMPUTE_TOKENS, repetitions=1, threads=bench_threads,
-                           label=COMPUTE)
-        speeds = _speeds(runs, [(COMPUTE, COMPUTE_WHAT, req)], COMPUTE_RUNS, warn, notes)
-        if COMPUTE in speeds:
-            ms, ms_fast, ms_slow = compute_ms_span(speeds[COMPUTE].samples)
-            facts = replace(facts, compute_ms_per_token=ms)
-            span = (machine_profile(replace(facts, compute_ms_per_token=ms_fast), info, base, host)[0],
-                    machine_profile(replace(facts, compute_ms_per_token=ms_slow), info, base, host)[0])
-    profile, sources = machine_profile(facts, info, base, host)
+    return trace
 
-    # 3. every candidate replayed, with the presets
+
+def _decode_rate(runs: _Runs, model: Path, info: ModelInfo, facts: MachineFacts, host: str, base: Profile,
+                 bench_threads: int, why: str, warn: Warn, notes: list[str]
+                 ) -> tuple[MachineFacts, dict[str, SpeedCheck], tuple[Profile, Profile] | None]:
+    """Step 2b, on a CPU machine: the decode rate in memory (llama-bench), and the profiles at its fast and slow
+    ends (the estimate's span)."""
+    if facts.gpus:
+        return facts, {}, None
+    notes.append(f"decode runs (llama-bench) use {bench_threads} thread{'s' if bench_threads != 1 else ''} ({why})")
+    req = BenchRequest(model, Placement(), n_prompt=0, n_gen=COMPUTE_TOKENS, repetitions=1, threads=bench_threads,
+                       label=COMPUTE)
+    speeds = _speeds(runs, [(COMPUTE, COMPUTE_WHAT, req)], COMPUTE_RUNS, warn, notes)
+    if COMPUTE not in speeds:
+        return facts, speeds, None
+    ms, ms_fast, ms_slow = compute_ms_span(speeds[COMPUTE].samples)
+    span = (machine_profile(replace(facts, compute_ms_per_token=ms_fast), info, base, host)[0],
+            machine_profile(replace(facts, compute_ms_per_token=ms_slow), info, base, host)[0])
+    return replace(facts, compute_ms_per_token=ms), speeds, span
+
+
+def _replay_all(opts: TuneOptions, sim: SimRunner, trace: Path, candidates: Sequence[Candidate], info: ModelInfo,
+                profile: Profile, span: tuple[Profile, Profile] | None, progress: Progress
+                ) -> tuple[list[SimPoint], dict[tuple[str, float], SimPoint], dict[float, int]]:
+    """Step 3: every candidate replayed, and the presets at each residency; each replay a line of sim.jsonl."""
     points: list[SimPoint] = []
     presets: dict[tuple[str, float], SimPoint] = {}
     sim_log = opts.out / "sim.jsonl"
@@ -392,85 +392,135 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
             for preset in TUNE_PRESETS:
                 pc = _preset_candidate(preset, f, slots)
                 presets[(preset, f)] = replay(pc, sim_spec(preset, str(slots)))
+    return points, presets, slots_of
 
-    # 4. the search per residency, and the presets in emulate mode
-    rows: list[CheckRow] = []
-    choices: list[TuneChoice] = []
-    frontier: list[SimPoint] = []
-    pools: dict[float, list[SimPoint]] = {}  # per residency, the grid points within the bound but the choice
-    for f, slots in slots_of.items():
-        best = best_per_rung(points, f)
-        frontier += sorted(best.values(), key=lambda p: (p.candidate.rung.chain, p.candidate.rung.level))
-        checked: dict[Rung, CheckRow] = {}
 
-        def passes(rung: Rung, best: dict[Rung, SimPoint] = best, checked: dict[Rung, CheckRow] = checked,
-                   f: float = f) -> bool:
-            if rung not in checked:
-                p = best[rung]
-                if rung.exact:
-                    checked[rung] = CheckRow("exact", p.candidate.name, p.candidate.policy, f, p.candidate.slots,
-                                             p.est_ms, None, True, True)
-                else:
-                    stats = opts.out / "stats" / f"{safe_name(p.candidate.name)}.json"
-                    d = runs.delta(p.candidate.name, _emulate_cache(p.candidate, stats))
-                    checked[rung] = CheckRow("checked", p.candidate.name, p.candidate.policy, f, p.candidate.slots,
-                                             p.est_ms, d, False, within_bound(d, opts.max_delta_pct, opts.strict),
-                                             note="" if d is not None else "no paired delta: NLL dumps differ")
-            return checked[rung].passes
+@dataclass
+class _Search:
+    """Step 4's results over the residencies: the checked rows, the choices, the frontier, and per residency the
+    grid points within the bound but the choice (--measure-grid's pool)."""
 
-        boundaries: dict[str, int] = {}
-        for chain in CHAINS:
-            rungs = [r for r in chain_rungs(opts.grid, chain) if r in best]
-            if len(rungs) > 1:
-                boundaries[chain] = bisect_chain(rungs, passes)
-        chosen = pick_fastest(best, boundaries, opts.grid, passes)
-        failed = {rung for rung, row in checked.items() if not row.passes}
-        pools[f] = [p for p in within_bound_points(points, f, boundaries, opts.grid, failed)
+    rows: list[CheckRow] = field(default_factory=list)
+    choices: list[TuneChoice] = field(default_factory=list)
+    frontier: list[SimPoint] = field(default_factory=list)
+    pools: dict[float, list[SimPoint]] = field(default_factory=dict)
+
+
+def _search_residency(opts: TuneOptions, runs: _Runs, info: ModelInfo, host: str, f: float, slots: int,
+                      points: Sequence[SimPoint], presets: dict[tuple[str, float], SimPoint], out: _Search) -> None:
+    """Step 4 at one residency: bisect each chain against the bound (emulate runs, each rung checked once), pick
+    the fastest rung within it, check the presets, and record the choice."""
+    best = best_per_rung(points, f)
+    out.frontier += sorted(best.values(), key=lambda p: (p.candidate.rung.chain, p.candidate.rung.level))
+    checked: dict[Rung, CheckRow] = {}
+
+    def passes(rung: Rung) -> bool:
+        if rung not in checked:
+            p = best[rung]
+            if rung.exact:
+                checked[rung] = CheckRow("exact", p.candidate.name, p.candidate.policy, f, p.candidate.slots,
+                                         p.est_ms, None, True, True)
+            else:
+                stats = opts.out / "stats" / f"{safe_name(p.candidate.name)}.json"
+                d = runs.delta(p.candidate.name, _emulate_cache(p.candidate, stats))
+                checked[rung] = CheckRow("checked", p.candidate.name, p.candidate.policy, f, p.candidate.slots,
+                                         p.est_ms, d, False, within_bound(d, opts.max_delta_pct, opts.strict),
+                                         note="" if d is not None else "no paired delta: NLL dumps differ")
+        return checked[rung].passes
+
+    boundaries: dict[str, int] = {}
+    for chain in CHAINS:
+        rungs = [r for r in chain_rungs(opts.grid, chain) if r in best]
+        if len(rungs) > 1:
+            boundaries[chain] = bisect_chain(rungs, passes)
+    chosen = pick_fastest(best, boundaries, opts.grid, passes)
+    failed = {rung for rung, row in checked.items() if not row.passes}
+    out.pools[f] = [p for p in within_bound_points(points, f, boundaries, opts.grid, failed)
                     if p.candidate.name != chosen.candidate.name]
-        for rung, row in checked.items():
-            rows.append(replace(row, role="chosen") if rung == chosen.candidate.rung else row)
-        if chosen.candidate.rung not in checked:  # fetch-all chosen without a check: exact
-            passes(chosen.candidate.rung)
-            rows.append(replace(checked[chosen.candidate.rung], role="chosen"))
-        chosen_row = next(r for r in rows if r.role == "chosen" and r.fraction == f)
-        for preset in TUNE_PRESETS:
-            pp = presets[(preset, f)]
-            label = f"{preset} slots={slots}"
-            if preset == BASELINE_POLICY:  # never substitutes: the full model's output (tests/test_tune.py checks it)
-                rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, None, True, True))
-                continue
-            stats = opts.out / "stats" / f"{safe_name(label)}.json"
-            d = runs.delta(label, _emulate_cache(pp.candidate, stats))
-            rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, d, False,
-                                 within_bound(d, opts.max_delta_pct, opts.strict)))
-        d = chosen_row.delta
-        choices.append(TuneChoice(
-            residency=residency_label(f), fraction=f, slots=slots, n_expert=info.n_expert,
-            policy=chosen.candidate.policy, spec=_run_spec_string(chosen.candidate, host),
-            delta_pct=d.delta_pct if d else 0.0, ci_low=d.low if d else 0.0, ci_high=d.high if d else 0.0,
-            est_tokens_per_s=chosen.est_tps, est_fetch_all_tokens_per_s=presets[("fetch-all", f)].est_tps,
-            est_quality_tokens_per_s=presets[("quality", f)].est_tps))
+    rows = out.rows
+    for rung, row in checked.items():
+        rows.append(replace(row, role="chosen") if rung == chosen.candidate.rung else row)
+    if chosen.candidate.rung not in checked:  # fetch-all chosen without a check: exact
+        passes(chosen.candidate.rung)
+        rows.append(replace(checked[chosen.candidate.rung], role="chosen"))
+    chosen_row = next(r for r in rows if r.role == "chosen" and r.fraction == f)
+    for preset in TUNE_PRESETS:
+        pp = presets[(preset, f)]
+        label = f"{preset} slots={slots}"
+        if preset == BASELINE_POLICY:  # never substitutes: the full model's output (tests/test_tune.py checks it)
+            rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, None, True, True))
+            continue
+        stats = opts.out / "stats" / f"{safe_name(label)}.json"
+        d = runs.delta(label, _emulate_cache(pp.candidate, stats))
+        rows.append(CheckRow(preset, label, f"policy={preset}", f, slots, pp.est_ms, d, False,
+                             within_bound(d, opts.max_delta_pct, opts.strict)))
+    d = chosen_row.delta
+    out.choices.append(TuneChoice(
+        residency=residency_label(f), fraction=f, slots=slots, n_expert=info.n_expert,
+        policy=chosen.candidate.policy, spec=_run_spec_string(chosen.candidate, host),
+        delta_pct=d.delta_pct if d else 0.0, ci_low=d.low if d else 0.0, ci_high=d.high if d else 0.0,
+        est_tokens_per_s=chosen.est_tps, est_fetch_all_tokens_per_s=presets[("fetch-all", f)].est_tps,
+        est_quality_tokens_per_s=presets[("quality", f)].est_tps))
 
-    # 5. --measure: decode with the engine, the choice and the presets interleaved
-    if opts.measure:
-        rows, choices, measured = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
-                                           bench_threads, pools, warn, notes)
-        speeds.update(measured)
 
-    # 6. the profile
-    profile_doc = TuneProfile(identity, opts.max_delta_pct, BOUND_ON[opts.strict], host, facts, asdict(profile),
-                              tuple(choices), str(text), opts.n_ctx, opts.chunks, utc_now(),
-                              {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series},
-                              tuple(speeds.values()))
-    target = profile_target(opts, model, identity.fingerprint, env)
-    doc = profile_to_json(profile_doc)
+def _write_profile(opts: TuneOptions, model: Path, env: TuneEnvironment, doc_of: TuneProfile) -> Path:
+    """Step 6: the tuned profile where `auto` finds it, and a copy in the results folder."""
+    target = profile_target(opts, model, doc_of.model.fingerprint, env)
+    doc = profile_to_json(doc_of)
     for path in dict.fromkeys((target, opts.out / "profile.moe-tune.json")):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(doc)
         except OSError as e:
             raise HarnessError(f"cannot write the tuned profile {path}: {e.strerror or e}") from None
-    return TuneResult(opts, identity, host, facts, profile, sources, len(points) + len(presets), tuple(frontier),
+    return target
+
+
+def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo, *, env: TuneEnvironment,
+             progress: Progress = no_progress, warn: Warn = stderr_warn) -> TuneResult:
+    t0 = time.perf_counter()
+    model, text = _resolved(opts)
+    _check_options(opts, text)
+    candidates = tune_candidates(opts.grid, info)
+    notes: list[str] = []
+    host, facts = _this_machine(opts, model, info, env, notes)  # 1. this machine
+
+    identity = model_identity(info, model, env.fingerprint(model))
+    results = ResultsFile(opts.out / "results.jsonl")
+    builds = env.builds()
+    prov = env.provenance(builds, opts.argv, env.gpu())
+    opts = warm_start(opts, model, text, opts.out / "warm", runner, builds["patched"], info.n_expert,
+                      info.n_moe_layers)
+    fp = tune_fingerprint(model, text, opts, dict(prov.binaries))
+    meta: dict[str, Any] = {"command": "tune", "options": options_json(opts, TUNE_OPTION_KEYS)}
+    runs = _Runs(opts, model, text, runner, env, results, fp, progress, meta)
+
+    # 2. the trace and the full model's NLLs; the decode rate in memory
+    bench_threads, why = (opts.threads, "given") if opts.threads else env.default_threads()
+    trace = _trace_and_full_model(opts, runs, runner, info)
+    base = load_profile(opts.base_profile)
+    facts, speeds, span = _decode_rate(runs, model, info, facts, host, base, bench_threads, why, warn, notes)
+    profile, sources = machine_profile(facts, info, base, host)
+
+    # 3. every candidate replayed, with the presets; 4. the search per residency, and the presets in emulate mode
+    points, presets, slots_of = _replay_all(opts, sim, trace, candidates, info, profile, span, progress)
+    search = _Search()
+    for f, slots in slots_of.items():
+        _search_residency(opts, runs, info, host, f, slots, points, presets, search)
+    rows, choices = search.rows, search.choices
+
+    # 5. --measure: decode with the engine, the choice and the presets interleaved
+    if opts.measure:
+        rows, choices, measured = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
+                                           bench_threads, search.pools, warn, notes)
+        speeds.update(measured)
+
+    # 6. the profile
+    target = _write_profile(opts, model, env, TuneProfile(
+        identity, opts.max_delta_pct, BOUND_ON[opts.strict], host, facts, asdict(profile), tuple(choices), str(text),
+        opts.n_ctx, opts.chunks, utc_now(),
+        {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series}, tuple(speeds.values())))
+    return TuneResult(opts, identity, host, facts, profile, sources, len(points) + len(presets), tuple(search.frontier),
                       tuple(rows), tuple(choices), target, results.path, time.perf_counter() - t0, tuple(notes),
                       tuple(speeds.values()))
 
