@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from harness.core.errors import HarnessError, NotMoEError
-from harness.core.files import require_regular_file
+from harness.parsers.gguf_open import gguf_damage, open_gguf
 
 # Routed-expert tensors: blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias,scale}; shared experts
 # (ffn_*_shexp) are dense and stay on the device, as llama.cpp's --cpu-moe regex does.
@@ -126,24 +126,10 @@ def check_expert_counts(p: Path, arch: str, n_expert: int, n_used: int, *, route
 
 def read_model_info(path: str | Path) -> ModelInfo:
     p = Path(path)
-    require_regular_file(p, "the model")
-    try:
-        with p.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as e:
-        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
-    if magic != b"GGUF":
-        raise HarnessError(f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    try:
-        import gguf
-
-        reader = gguf.GGUFReader(str(p))
+    reader = open_gguf(p)
+    with gguf_damage(p):
         tensors = list(reader.tensors)
         file_bytes = p.stat().st_size
-    except OSError as e:  # an I/O error (EIO) of the file, not damage: say which
-        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
-    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on damage
-        raise HarnessError(f"{p}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
     for t in tensors:
         if t.data_offset + t.n_bytes > file_bytes:
             raise HarnessError(f"{p}: truncated GGUF file (tensor {t.name} ends past the end of the file)")

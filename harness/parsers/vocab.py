@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.core.errors import HarnessError
-from harness.core.files import require_regular_file
+from harness.parsers.gguf_open import gguf_damage, open_gguf
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 ZERO_BYTE_TYPES = (TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_UNUSED)
@@ -122,19 +122,8 @@ def read_vocab_bytes(path: str | Path) -> VocabBytes:
     """The vocabulary of the GGUF model at `path`; a one-line HarnessError for a missing, non-GGUF or damaged file,
     or a vocabulary that is not byte-level BPE."""
     p = Path(path)
-    require_regular_file(p, "the model")
-    try:
-        with p.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as e:
-        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
-    if magic != b"GGUF":
-        raise HarnessError(f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    try:
-        import gguf
-
-        reader = gguf.GGUFReader(str(p))
-
+    reader = open_gguf(p)
+    with gguf_damage(p):
         def field(key: str) -> Any:
             f = reader.fields.get(key)
             return None if f is None else f.contents()
@@ -145,10 +134,6 @@ def read_vocab_bytes(path: str | Path) -> VocabBytes:
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type")
         n_ctx = field(f"{arch}.context_length") if isinstance(arch, str) else None
-    except OSError as e:
-        raise HarnessError(f"cannot read the model {p}: {e.strerror or e}") from None
-    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on damage
-        raise HarnessError(f"{p}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
     if not isinstance(model, str):
         raise HarnessError(f"{p}: the GGUF file has no tokenizer (tokenizer.ggml.model)")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
