@@ -13,7 +13,9 @@ from pathlib import Path
 from harness.core.records import ResultsFile
 from harness.domain.verdicts import distinct_policies, family_mass, finding2_verdict
 from harness.orchestration import study
+from harness.orchestration.summary import load_nlls
 from harness.orchestration.sweep import reload_sweep
+from harness.parsers.nll_dump import read_nll_dump_file
 
 
 def main() -> int:
@@ -21,7 +23,7 @@ def main() -> int:
     ap.add_argument("folder", type=Path, help="a `harness study --out` folder with a sweep/ part")
     args = ap.parse_args()
     s = reload_sweep(args.folder / "sweep")
-    nll, _ = study.load_nlls(ResultsFile(s.results_path).read(), study.read_nll_dump_file)
+    nll, _ = load_nlls(ResultsFile(s.results_path).read(), read_nll_dump_file)
     pts = study.mass_points(s.rows)
     v = finding2_verdict(family_mass(pts), study.admission_pairs(s.rows, nll, seed=0), distinct_policies(pts),
                          s.mass.correlation)
