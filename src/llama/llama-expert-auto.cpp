@@ -94,13 +94,25 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     const uint64_t host_weights = m.gpu ? (m.weights > m.dev_weights ? m.weights - m.dev_weights : 0) : m.weights;
     const uint64_t host_context = m.gpu ? (m.context > m.dev_context ? m.context - m.dev_context : 0) : m.context;
     const uint64_t host_reserve = m.gpu ? output : compute + output;
-    const uint64_t stock_ram    = host_weights + (m.experts_host ? m.experts : 0) + host_context + host_reserve +
+    // with the process's own memory known, it stands for the context and the runtime (both resident by now); the
+    // mapped weights are page cache, counted whole; weights read in (--no-mmap) are in the held memory. A repack makes
+    // both (its copy is held, the file's pages may stay cached): the fixed estimate then, which counts the weights once
+    const bool     held_known   = m.held > 0 && !m.repacked;
+    const uint64_t mapped       = m.mapped ? host_weights + (m.experts_host ? m.experts : 0) : 0;
+    const uint64_t stock_ram    = held_known ? mapped + m.held + host_reserve :
+                                  host_weights + (m.experts_host ? m.experts : 0) + host_context + host_reserve +
                                   LLAMA_EXPERT_AUTO_STOCK_BASELINE;
+    const std::string with_what = held_known ?
+        auto_format("with the %.1f MiB this process holds (its context and runtime)", m.held/MiB) :
+        std::string("with its context");
+    const char *      runtime   = held_known ? "" : ", and the runtime";
     const bool     known        = usable != UINT64_MAX;
     const uint64_t room         = known ? usable - auto_margin(usable) : UINT64_MAX;
-    // stock fits in all the process may use: its weights are page cache, which degrades gradually when squeezed
-    // (studymoe, 94 MiB with everything, decoded at full speed in a 96 MiB cgroup, where the file tier ran at 0.6x);
-    // the margin is the file tier's, for the page cache it reads through
+    // stock fits in all the process may use: no margin, which is the file tier's, for the page cache it reads through
+    // (studymoe, 92 MiB at its peak, decoded at full speed in a 96 MiB cgroup, where the file tier ran at 0.6x). Where
+    // it does not, stock's page cache thrashes: each fault reads ahead up to read_ahead_kb and evicts weights still in
+    // use (a random-routing model of 196 MiB, 203 MiB at its peak, in 200 MiB: stock 66 t/s at read_ahead_kb 8192, 267
+    // at 128, the file tier 531; eval/auto-vs-stock-3)
     const bool     fits_ram     = !known || stock_ram <= usable;
     const std::string ram_facts = known ? auto_format("%.1f MiB this process may use (%s)", usable/MiB,
         facts.c_str()) : "no memory facts (" + facts + ")";
@@ -120,20 +132,18 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
 
     if (!m.gpu) {
         if (fits_ram) {
-            return auto_off(auto_format("the model (%.1f MiB with its context, %s, and the runtime) fits in the %s: "
-                "stock is as fast", stock_ram/MiB, reserve_facts.c_str(), ram_facts.c_str()));
+            return auto_off(auto_format("the model (%.1f MiB %s, %s%s) fits in the %s: stock is as fast",
+                stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str()));
         }
-        const std::string what = auto_format("the model (%.1f MiB with its context, %s, and the runtime) is more "
-            "than the %s, so it", stock_ram/MiB, reserve_facts.c_str(), ram_facts.c_str());
+        const std::string what = auto_format("the model (%.1f MiB %s, %s%s) is more than the %s, so it",
+            stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str());
         // near the fit: the model file fits in what the process may use, and only the context, compute buffers and
-        // runtime do not. Stock's page cache then holds the experts the text uses and gives back the rest under
-        // pressure, while the file tier holds what its budget less the margin allows: which is faster depends on the
-        // routing's locality (studymoe in 96 MiB: stock 1.75x the file tier; a random-routing model of 196 MiB in
-        // 200 MiB: the file tier 3.7x stock; eval/auto-vs-stock). Sizes cannot tell, so auto leaves the model to
-        // stock, never slower than stock, and the line gives the file tier's spec and the command that measures both
+        // runtime do not. The file tier is faster there where it can run (above); where it cannot (a repacked or
+        // unmapped model) stock still runs, from the page cache: auto does not refuse it, the line says what the file
+        // tier needs and the command that measures both
         const uint64_t file_bytes = host_weights + m.experts;
-        const bool     near_fit   = known && file_bytes <= usable;
         const std::string refusal = file_tier_refusal(what.c_str());
+        const bool     near_fit   = !refusal.empty() && known && file_bytes <= usable;
         if (!refusal.empty() && !near_fit) {
             return auto_error(refusal);
         }
@@ -170,12 +180,11 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         }
         p.policy_why = policy_why;
         if (near_fit) {
-            return auto_off(auto_format("near the fit: the model file (%.1f MiB) fits in the %s, and with its context, "
-                "%s, and the runtime (%.1f MiB) it does not: stock's page cache holds the experts in use and gives back "
-                "the rest, so the model runs stock. Whether the file tier (%d of %d experts per layer in RAM: "
-                "--moe-cache %s%s) is faster here depends on the routing's locality: `harness compare --ram %s` "
-                "measures both", file_bytes/MiB, ram_facts.c_str(), reserve_facts.c_str(), stock_ram/MiB, n,
-                m.n_expert, p.spec().c_str(), refusal.empty() ? "" : ", which needs --no-repack (-nr) and mmap",
+            return auto_off(auto_format("near the fit: the model file (%.1f MiB) fits in the %s, and %s, %s%s "
+                "(%.1f MiB) it does not, so it would need the file tier (%d of %d experts per layer in RAM: --moe-cache "
+                "%s), which needs --no-repack (-nr) and mmap: the model runs stock, from the page cache, which thrashes "
+                "when squeezed; `harness compare --ram %s` measures both", file_bytes/MiB, ram_facts.c_str(),
+                with_what.c_str(), reserve_facts.c_str(), runtime, stock_ram/MiB, n, m.n_expert, p.spec().c_str(),
                 auto_mib(usable).c_str()));
         }
         p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM (ram= that less "

@@ -42,9 +42,15 @@ struct llama_expert_auto_model {
     uint64_t n_vocab  = 0;
     uint64_t n_embd   = 0;
     uint64_t n_ff_exp = 0;   // one routed expert's hidden size (the largest of any layer)
+    // what the process holds already at context creation (RssAnon: the runtime, the vocabulary, the KV cache, which
+    // llama.cpp clears when it allocates it, and with --no-mmap or a repack the weights read in): counted in place of
+    // the context and LLAMA_EXPERT_AUTO_STOCK_BASELINE when stock's fit is asked; 0: unknown (a unit test's facts)
+    uint64_t held     = 0;
 };
 
-// what auto counts for the runtime when it asks whether stock fits: the measured peak RSS of the pinned CPU build's
+// what auto counts for the runtime when it asks whether stock fits and the process's own memory is unknown (held = 0;
+// with it known, the estimate is the held memory, the mapped weights and the compute buffers and logits: over the
+// measured peaks of stock in a memory cgroup by 1.6-2.3 MiB, eval/auto-vs-stock-3): the measured peak RSS of the pinned CPU build's
 // tools beside a 1 MiB model (21 MiB llama-perplexity, 24 MiB an idle llama-server; docs/expert-cache-engine.md, "What
 // the process may use"), without the budget's doubling (LLAMA_EXPERT_RUNTIME_BASELINE, which stands in for the margin
 // that a ram= budget by hand does not leave): stock's weights are page cache, so a squeeze slows it gradually

@@ -157,6 +157,7 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
     facts.n_batch  = cparams.n_batch;
     facts.n_ubatch = cparams.n_ubatch;
     const llama_expert_machine machine = llama_expert_machine_current();
+    facts.held = machine.self_anon;  // after the KV cache's allocation (patch 0004's call site): it is in there
     llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
         reserve_given ? given.vram_reserve : 0, given.readers, policy_given ? given.preset : "", policy_given);
     if (!plan.err.empty()) {
