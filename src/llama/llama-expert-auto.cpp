@@ -41,17 +41,27 @@ static uint64_t auto_mib_up(uint64_t bytes) {
     return (bytes + (1ull << 20) - 1) >> 20 << 20;
 }
 
-uint64_t llama_expert_auto_compute_bytes(const llama_expert_auto_model & m) {
+// the estimates in bytes; the public functions round them up to a MiB, as a spec's vram_reserve= is written, and
+// whether stock fits is asked with these (the rounding of two terms was half of the estimate's error near the fit)
+static uint64_t auto_compute_exact(const llama_expert_auto_model & m) {
     if (m.n_ubatch == 0 || m.n_vocab == 0) {
         return LLAMA_EXPERT_AUTO_RESERVE_UNKNOWN;
     }
     const uint64_t per_token = std::max<uint64_t>(4*(m.n_vocab + 2*m.n_embd),
         16*(uint64_t) std::max(m.k, 0)*m.n_ff_exp + 2ull*m.n_ctx);
-    return auto_mib_up((uint64_t) m.n_ubatch*per_token/4*5);
+    return (uint64_t) m.n_ubatch*per_token/4*5;
+}
+
+static uint64_t auto_output_exact(const llama_expert_auto_model & m) {
+    return 4*m.n_vocab*(uint64_t) m.n_batch;
+}
+
+uint64_t llama_expert_auto_compute_bytes(const llama_expert_auto_model & m) {
+    return auto_mib_up(auto_compute_exact(m));
 }
 
 uint64_t llama_expert_auto_output_bytes(const llama_expert_auto_model & m) {
-    return auto_mib_up(4*m.n_vocab*(uint64_t) m.n_batch);
+    return auto_mib_up(auto_output_exact(m));
 }
 
 static llama_expert_auto_plan auto_off(const std::string & why) {
@@ -94,13 +104,16 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     const uint64_t host_weights = m.gpu ? (m.weights > m.dev_weights ? m.weights - m.dev_weights : 0) : m.weights;
     const uint64_t host_context = m.gpu ? (m.context > m.dev_context ? m.context - m.dev_context : 0) : m.context;
     const uint64_t host_reserve = m.gpu ? output : compute + output;
+    // the same in bytes, unrounded, for whether stock fits
+    const uint64_t fit_reserve  = reserve_given ? (m.gpu ? 0 : reserve) :
+                                  (m.gpu ? 0 : auto_compute_exact(m)) + auto_output_exact(m);
     // with the process's own memory known, it stands for the context and the runtime (both resident by now); the
     // mapped weights are page cache, counted whole; weights read in (--no-mmap) are in the held memory. A repack makes
     // both (its copy is held, the file's pages may stay cached): the fixed estimate then, which counts the weights once
     const bool     held_known   = m.held > 0 && !m.repacked;
     const uint64_t mapped       = m.mapped ? host_weights + (m.experts_host ? m.experts : 0) : 0;
-    const uint64_t stock_ram    = held_known ? mapped + m.held + host_reserve :
-                                  host_weights + (m.experts_host ? m.experts : 0) + host_context + host_reserve +
+    const uint64_t stock_ram    = held_known ? mapped + m.held + fit_reserve :
+                                  host_weights + (m.experts_host ? m.experts : 0) + host_context + fit_reserve +
                                   LLAMA_EXPERT_AUTO_STOCK_BASELINE;
     const std::string with_what = held_known ?
         auto_format("with the %.1f MiB this process holds (its context and runtime)", m.held/MiB) :

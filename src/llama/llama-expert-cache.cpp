@@ -154,7 +154,9 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
     const bool reserve_given = llama_expert_auto_user_gives(rest, "vram_reserve");
     llama_expert_auto_model facts = llama_expert_engine_auto_facts(model, ctx_mem);
     facts.n_ctx    = cparams.n_ctx;
-    facts.n_batch  = cparams.n_batch;
+    // the most outputs a batch may ask for: the context's n_outputs_max (llama-server sets it from its slots), which
+    // is n_batch unless the tool lowers it (the logits' buffer never grows past it)
+    facts.n_batch  = cparams.n_outputs_max > 0 ? cparams.n_outputs_max : cparams.n_batch;
     facts.n_ubatch = cparams.n_ubatch;
     const llama_expert_machine machine = llama_expert_machine_current();
     facts.held = machine.self_anon;  // after the KV cache's allocation (patch 0004's call site): it is in there
