@@ -145,7 +145,8 @@ def test_near_the_fit_runs_the_file_tier(patched_build: Build, synth_text_file: 
     model = write_synth_model(SynthSpec(n_layer=2, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=512),
                               tmp_path / "m.gguf")
     env = {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(_fake_machine(tmp_path / "machine", 130 * MiB))}
-    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path, {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"})
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path,
+                      {**env, "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"})
     assert rc == 0, out[-3000:]
     line = _auto_line(out)
     assert line.startswith("mode=engine,policy=quality,host=file,ram=117M,vram_reserve=16M: the model (138.8 MiB"), line
