@@ -111,10 +111,9 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     // mapped weights are page cache, counted whole; weights read in (--no-mmap) are in the held memory. A repack makes
     // both (its copy is held, the file's pages may stay cached): the fixed estimate then, which counts the weights once
     const bool     held_known   = m.held > 0 && !m.repacked;
-    const uint64_t mapped       = m.mapped ? host_weights + (m.experts_host ? m.experts : 0) : 0;
-    const uint64_t stock_ram    = held_known ? mapped + m.held + fit_reserve :
-                                  host_weights + (m.experts_host ? m.experts : 0) + host_context + fit_reserve +
-                                  LLAMA_EXPERT_AUTO_STOCK_BASELINE;
+    const uint64_t host_file    = host_weights + (m.experts_host ? m.experts : 0);
+    const uint64_t stock_ram    = held_known ? (m.mapped ? host_file : 0) + m.held + fit_reserve :
+                                  host_file + host_context + fit_reserve + LLAMA_EXPERT_AUTO_STOCK_BASELINE;
     const std::string with_what = held_known ?
         auto_format("with the %.1f MiB this process holds (its context and runtime)", m.held/MiB) :
         std::string("with its context");
@@ -124,8 +123,8 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     // stock fits in all the process may use: no margin, which is the file tier's, for the page cache it reads through
     // (studymoe, 92 MiB at its peak, decoded at full speed in a 96 MiB cgroup, where the file tier ran at 0.6x). Where
     // it does not, stock's page cache thrashes: each fault reads ahead up to read_ahead_kb and evicts weights still in
-    // use (a random-routing model of 196 MiB, 203 MiB at its peak, in 200 MiB: stock 66 t/s at read_ahead_kb 8192, 267
-    // at 128, the file tier 531; eval/auto-vs-stock-3)
+    // use (a random-routing model of 196 MiB, 203 MiB at its peak, in 200 MiB: stock 56-72 t/s at read_ahead_kb 8192,
+    // 267 at 128, the file tier 296-531; 2 threads, --repack 0; eval/auto-vs-stock-3)
     const bool     fits_ram     = !known || stock_ram <= usable;
     const std::string ram_facts = known ? auto_format("%.1f MiB this process may use (%s)", usable/MiB,
         facts.c_str()) : "no memory facts (" + facts + ")";

@@ -49,9 +49,9 @@ struct llama_expert_auto_model {
 };
 
 // what auto counts for the runtime when it asks whether stock fits and the process's own memory is unknown (held = 0;
-// with it known, the estimate is the held memory, the mapped weights and the compute buffers and logits: over the
-// measured peaks of stock in a memory cgroup by 1.6-2.3 MiB, eval/auto-vs-stock-3): the measured peak RSS of the pinned CPU build's
-// tools beside a 1 MiB model (21 MiB llama-perplexity, 24 MiB an idle llama-server; docs/expert-cache-engine.md, "What
+// with it known, the estimate is the held memory, the mapped weights and the compute buffers and logits in bytes: over
+// stock's measured peaks in a memory cgroup by 0.3-2 MiB, eval/auto-vs-stock-3): the measured peak RSS of the pinned
+// CPU build's tools beside a 1 MiB model (21 MiB llama-perplexity, 24 MiB an idle llama-server; docs/expert-cache-engine.md, "What
 // the process may use"), without the budget's doubling (LLAMA_EXPERT_RUNTIME_BASELINE, which stands in for the margin
 // that a ram= budget by hand does not leave): stock's weights are page cache, so a squeeze slows it gradually
 #define LLAMA_EXPERT_AUTO_STOCK_BASELINE (24ull << 20)
