@@ -861,6 +861,54 @@ def test_engine_host_file_keeps_the_experts_out_of_ram(engine_text: Path, tmp_pa
     assert rss["ram"] - rss["file"] > info.expert_bytes // 2, (rss, info.expert_bytes)
 
 
+def _anon_peak(args: list[str], env: dict[str, str]) -> tuple[int, int, str]:
+    """Run args, sampling the process's RssAnon every 2 ms; (returncode, peak bytes, output)."""
+    import time
+
+    peak = 0
+    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        deadline = time.time() + 300
+        while p.poll() is None and time.time() < deadline:
+            try:
+                status = Path(f"/proc/{p.pid}/status").read_text()
+            except OSError:
+                break
+            m = re.search(r"^RssAnon:\s+(\d+) kB", status, re.M)
+            peak = max(peak, int(m[1]) * 1024 if m else 0)
+            time.sleep(0.002)
+        out = p.communicate(timeout=60)[0]
+    return int(p.returncode), peak, out
+
+
+@pytest.mark.build
+def test_engine_host_file_fill_keeps_reader_buffers_small(engine_text: Path, tmp_path: Path,
+                                                         engine_build: Build) -> None:
+    """host=file with O_DIRECT: the initial fill reads one run of all the slots per expert tensor, a slice at a time,
+    so that each reader thread's aligned buffer stays the one slice (and two blocks) that the ram= budget counts for
+    it. Before, a reader's buffer grew to the whole run and stayed (studymoe: 12 MiB over the plan beside 466 slots in
+    4 readers); here a run is 64 slices of 272 KiB: 17 MiB a buffer. The same run with buffered reads (direct=off,
+    straight into the banks) is the yardstick."""
+    if b"__asan_init" in engine_build.tool("llama-perplexity").read_bytes():
+        pytest.skip("an AddressSanitizer build (scripts/sanitize.sh): its shadow memory and quarantine are in the RSS")
+    model = write_synth_model(SynthSpec(arch="qwen3moe", n_expert=64, n_expert_used=K, n_layer=2, n_embd=512,
+                                        n_ff_exp=512, dtype="q8_0", seed=9), tmp_path / "big-experts.gguf")
+    peak: dict[str, int] = {}
+    for direct in ("on", "off"):
+        stats = tmp_path / f"stats-{direct}.json"
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
+        env["LLAMA_MOE_CACHE"] = f"mode=engine,policy=fetch-all,slots=100%,host=file,readers=4,direct={direct}," \
+                                 f"stats={stats}"
+        args = [str(engine_build.tool("llama-perplexity")), "-m", str(model), "-f", str(engine_text), "-c",
+                str(N_CTX), "-b", str(N_CTX), "-ub", "1", "--chunks", "1", "-t", THREADS, "-nr"]
+        rc, peak[direct], out = _anon_peak(args, env)
+        if rc != 0 and direct == "on" and "O_DIRECT" in out and "refused" in out:
+            pytest.skip("this file system refuses O_DIRECT reads")
+        assert rc == 0, out[-2000:]
+        assert json.loads(stats.read_text())["engine"]["bank_bytes"] > 64 * 2**20  # every expert, read at the fill
+    # 5 buffers of one slice and two blocks: 1.4 MiB; a whole run in each of them: 85 MiB
+    assert peak["on"] - peak["off"] < 6 * 2**20, peak
+
+
 @pytest.mark.build
 def test_engine_host_file_warmup_reads_no_expert(tmp_path: Path, engine_build: Build) -> None:
     """A warmup decode (llama_set_warmup: every expert selected, to page the weights in) with host=file computes

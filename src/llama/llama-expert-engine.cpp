@@ -121,6 +121,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                     f = files.emplace(path, llama_expert_file_open(path, direct, pfx)).first;
                 }
                 eb.file = f->second.get();
+                eb.file->piece = std::max(eb.file->piece, (size_t) eb.stride); // runs are read a slice at a time
             }
             layers[il].banks.push_back(eb);
         }

@@ -31,6 +31,9 @@ struct llama_expert_file {
     std::atomic<uint64_t> bytes{0};
     std::atomic<uint64_t> ns{0};
     bool                  test_refuse_read = false; // tests: O_DIRECT reads fail with EINVAL
+    // the most bytes one O_DIRECT read takes (the largest expert slice the engine reads from this file; 0: any): a
+    // longer run is read in pieces, so that a reader's aligned buffer stays what the ram= budget counts
+    size_t                piece = 0;
 
     // the file as opened (fstat of fd): a later size or modification time of the descriptor's file means that it was
     // rewritten or truncated in place; another inode at path means it was replaced (renamed over) or removed
