@@ -136,6 +136,45 @@ def test_a_model_bigger_than_the_limit_runs_the_file_tier(patched_build: Build, 
 
 
 @pytest.mark.build
+def test_the_file_tier_counts_what_the_process_holds(patched_build: Build, synth_text_file: Path,
+                                                     tmp_path: Path) -> None:
+    """With what the process holds known (RssAnon at context creation, a fake 12 MiB here), the file tier's plan
+    counts that, less the context, and 8 MiB of growth in place of the fixed 48 MiB runtime (studymoe in 92 MiB: 372
+    slots of 512 where the constant left 145): the line writes it as runtime=, the engine plans with it (its budget's
+    baseline, the same slots), and the spec the line names, given by hand, takes the same decisions."""
+    from harness.parsers.cache_plan import parse_cache_plan
+
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=48, n_expert_used=4, n_embd=256, n_ff_exp=512),
+                              tmp_path / "m.gguf")
+    machine = _fake_machine(tmp_path / "machine", 130 * MiB)
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path,
+                      {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(machine), "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"})
+    assert rc == 0, out[-3000:]
+    fixed = parse_cache_plan(out)
+    assert fixed.baseline == 48 * MiB  # held unknown (no proc/self/status): the constant, no runtime=
+    assert "runtime=" not in _auto_line(out)
+    (machine / "proc" / "self" / "status").write_text("Name:\tllama-perplexity\nRssAnon:\t   12288 kB\n")
+    stats = tmp_path / "auto.json"
+    rc, out, auto_logits = _run(patched_build, model, synth_text_file, tmp_path,
+                                {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(machine),
+                                 "LLAMA_MOE_CACHE": f"auto,vram_reserve=16M,stats={stats}"})
+    assert rc == 0, out[-3000:]
+    line = _auto_line(out)
+    m = re.match(r"(mode=engine,policy=quality,host=file,ram=117M,runtime=(\d+)M,vram_reserve=16M),stats=\S+: ", line)
+    assert m, line
+    plan = parse_cache_plan(out)
+    assert plan.baseline == int(m[2]) * MiB and plan.baseline == -(-(12 * MiB - plan.context + 8 * MiB) // MiB) * MiB
+    slots = int(re.search(r"file tier: (\d+) of 48 experts per layer", line)[1])  # type: ignore[index]
+    assert plan.slots == slots and slots > fixed.slots, (slots, fixed.slots)
+    hand = tmp_path / "hand.json"
+    rc, out, hand_logits = _run(patched_build, model, synth_text_file, tmp_path,
+                                {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(machine),
+                                 "LLAMA_MOE_CACHE": f"{m[1]},stats={hand}"})
+    assert rc == 0 and parse_cache_plan(out).slots == slots and hand_logits == auto_logits
+    assert json.loads(hand.read_text())["total"] == json.loads(stats.read_text())["total"]
+
+
+@pytest.mark.build
 def test_near_the_fit_runs_the_file_tier(patched_build: Build, synth_text_file: Path, tmp_path: Path) -> None:
     """Issue 35: a model file of 98.6 MiB in a (fake) 130 MiB limit, 139 MiB with its context, compute buffers and
     runtime (the fixed estimate: the fake machine has no /proc/self/status, so what the process holds is unknown):

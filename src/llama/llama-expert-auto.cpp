@@ -166,7 +166,12 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         b.context  = m.context;
         b.reserve  = compute + output;
         b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
-        b.baseline = LLAMA_EXPERT_RUNTIME_BASELINE;
+        // what the process holds (the runtime, the vocabulary) and its growth, where known, in place of the fixed
+        // baseline (48 MiB, twice a small model's measured peak): studymoe holds 6.5 MiB with its context. Not for an
+        // unmapped model (the weights read in are in the held memory; the file tier needs mmap anyway)
+        const bool runtime_known = held_known && m.mapped;
+        b.baseline = runtime_known ? auto_mib_up(llama_expert_runtime_baseline(m.held, m.context)) :
+                                     LLAMA_EXPERT_RUNTIME_BASELINE; // whole MiB: the plan's runtime= is written so
         b.per_slot = m.per_slot;
         b.n_banks  = m.n_banks;
         b.n_expert = m.n_expert;
@@ -186,7 +191,11 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         llama_expert_auto_plan p;
         p.off   = false;
         p.slots = n;
+        p.runtime = runtime_known ? b.baseline : 0;
         p.keys  = { {"mode", "engine"}, {"policy", policy}, {"host", "file"}, {"ram", auto_mib(b.budget)} };
+        if (runtime_known) {
+            p.keys.emplace_back("runtime", auto_mib(b.baseline));
+        }
         if (!reserve_given) {
             p.keys.emplace_back("vram_reserve", auto_mib(compute + output));
         }

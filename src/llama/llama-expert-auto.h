@@ -76,6 +76,9 @@ struct llama_expert_auto_plan {
     std::string err;   // non-empty: refuse the context with this line
     int32_t     slots = 0;     // the planned slots per layer (0 when off)
     std::string policy_why;    // the end of `why` that names the policy and why it is that one
+    // the runtime's term the file tier's ram= was planned with (llama_expert_runtime_baseline of the held memory), which
+    // the engine counts in place of LLAMA_EXPERT_RUNTIME_BASELINE; 0: the constant (held unknown, or no file tier)
+    uint64_t    runtime = 0;
 
     // "mode=engine,policy=quality,host=file,ram=1843M" ("mode=off" when off)
     std::string spec() const;

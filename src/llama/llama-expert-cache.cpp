@@ -374,7 +374,7 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     if (cfg.vram > 0 || cfg.ram > 0) {
         n_slots = llama_expert_engine_slots_for_budget(model, shape.moe, n_expert, n_used, cfg.ram > 0 ? cfg.ram : cfg.vram,
             cfg.vram_reserve, ctx_mem, prefix, cfg.ram > 0, cfg.host_file ? cfg.readers : 0,
-            cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE);
+            cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE, cfg.runtime);
     }
     const int32_t n_moe = init_policies(shape, prefix);
     // prefetch: each MoE layer predicts the next MoE layer with that layer's router

@@ -74,6 +74,13 @@ bool llama_expert_machine_parse_meminfo(const std::string & text, uint64_t & tot
     return machine_kb_field(text, "MemAvailable", available);
 }
 
+uint64_t llama_expert_runtime_baseline(uint64_t held, uint64_t context) {
+    if (held == 0) {
+        return LLAMA_EXPERT_RUNTIME_BASELINE;
+    }
+    return (held > context ? held - context : 0) + LLAMA_EXPERT_RUNTIME_GROWTH;
+}
+
 uint64_t llama_expert_machine_parse_rss_anon(const std::string & text) {
     uint64_t v = 0;
     return machine_kb_field(text, "RssAnon", v) ? v : 0;

@@ -20,6 +20,15 @@
 // (docs/expert-cache-engine.md, "What the process may use"); counted in every ram= plan.
 #define LLAMA_EXPERT_RUNTIME_BASELINE (48ull << 20)
 
+// With what the process holds known (RssAnon at context creation, which the KV cache is in), auto's file tier counts
+// that, less the context (its own term), and this growth after creation in place of the fixed baseline: the threads'
+// stacks, the samplers, the engine's own tables (measured: docs/expert-cache-engine.md, "What the process may use")
+#define LLAMA_EXPERT_RUNTIME_GROWTH (8ull << 20)
+
+// The runtime's term of a ram= plan: held (RssAnon at context creation) less the context, plus
+// LLAMA_EXPERT_RUNTIME_GROWTH; LLAMA_EXPERT_RUNTIME_BASELINE when held is 0 (unknown)
+uint64_t llama_expert_runtime_baseline(uint64_t held, uint64_t context);
+
 struct llama_expert_machine {
     uint64_t    mem_total     = 0; // MemTotal (0: unknown)
     uint64_t    mem_available = 0; // MemAvailable (0: unknown)

@@ -47,7 +47,7 @@ std::array<ggml_tensor *, LLAMA_EXPERT_N_TENSORS> llama_expert_layer_tensors(con
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
         int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram,
-        int32_t readers, bool engine) {
+        int32_t readers, bool engine, uint64_t runtime) {
     llama_expert_budget b;
     b.ram      = ram;
     b.budget   = budget;
@@ -78,7 +78,7 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
         // the process's own memory besides weights, context and banks: each reader thread and the calling thread
         // keep an aligned buffer of one slice and two 4 KiB blocks (llama-expert-io.cpp, O_DIRECT); the runtime
         b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (max_slice + 2*4096) : 0;
-        b.baseline = LLAMA_EXPERT_RUNTIME_BASELINE;
+        b.baseline = runtime > 0 ? runtime : LLAMA_EXPERT_RUNTIME_BASELINE;
     }
     for (const auto & [buft, size] : model.memory_breakdown()) {
         if (ram || bufts.count(buft)) {

@@ -39,12 +39,13 @@ std::array<ggml_tensor *, LLAMA_EXPERT_N_TENSORS> llama_expert_layer_tensors(con
 // compute buffers; at most n_expert. Logs the plan. Throws, naming the minimum budget, when fewer than k fit.
 // ram (`ram=SIZE`, CPU builds with host=file): the budget is the process's RAM: all weights but the routed
 // experts, and all of the context's memory, whatever their buffer types, the reader threads' buffers (`readers`
-// threads with host=file) and the runtime's baseline. engine: a plan (ram=, or vram= on host memory) above what the
+// threads with host=file) and the runtime's baseline (runtime: auto's, from what the process holds; 0:
+// LLAMA_EXPERT_RUNTIME_BASELINE). engine: a plan (ram=, or vram= on host memory) above what the
 // process may hold (llama-expert-machine.h: memory cgroup, MemAvailable) throws, saying what would fit.
 int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const std::vector<bool> & moe,
         int32_t n_expert, int32_t k, uint64_t budget, uint64_t reserve,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem, const std::string & prefix, bool ram = false,
-        int32_t readers = 0, bool engine = false);
+        int32_t readers = 0, bool engine = false, uint64_t runtime = 0);
 
 // `--moe-cache auto`: the model's facts for llama_expert_auto_decide (llama-expert-auto.h): its sizes (weights, routed
 // experts, one slot, the banks), the context's memory (ctx_mem), where the experts are (host memory or a GPU, with the

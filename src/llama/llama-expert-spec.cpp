@@ -324,6 +324,10 @@ static bool spec_key_ram(const std::string & val, llama_expert_cache_config & cf
     return parse_size(val, cfg.ram) && cfg.ram != 0;
 }
 
+static bool spec_key_runtime(const std::string & val, llama_expert_cache_config & cfg) {
+    return parse_size(val, cfg.runtime) && cfg.runtime != 0;
+}
+
 static bool spec_key_vram(const std::string & val, llama_expert_cache_config & cfg) {
     return parse_size(val, cfg.vram) && cfg.vram != 0;
 }
@@ -646,6 +650,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
     }
     if (cfg.ram > 0 && !cfg.host_file) {
         err = "ram= budgets RAM with the experts left in the model file: it needs host=file";
+        return false;
+    }
+    if (cfg.runtime > 0 && cfg.ram == 0) {
+        err = "runtime= is a term of the ram= budget (what the process holds besides weights, context, reserve and "
+            "banks): it needs ram=";
         return false;
     }
     for (const char * k : { "readers", "direct", "pack" }) {

@@ -46,6 +46,7 @@
     X(vram,         "a size such as 24G or 24GiB (binary), 24GB (decimal), 512M or a number of bytes") \
     X(vram_reserve, "a size such as 24G or 24GiB (binary), 24GB (decimal), 512M or a number of bytes") \
     X(ram,          "a size such as 8G or 8GiB (binary), 8GB (decimal), 512M or a number of bytes") \
+    X(runtime,      "a size such as 16M (what the process holds besides the weights, context, compute reserve and banks)") \
     X(bypass,       "a ubatch size of at least 2 tokens, 0 for never") \
     X(group,        "a ubatch size in tokens (0 or 1: one-token ubatches only), or auto") \
     X(async,        "auto (a copy stream on GPUs), off (synchronous copies) or thread (a host copy thread, for RAM banks)") \
@@ -149,6 +150,8 @@ struct llama_expert_cache_config {
     uint64_t vram         = 0;
     uint64_t vram_reserve = 256ull << 20; // left for the compute buffers, which are sized later (either budget)
     uint64_t ram = 0; // residency from a RAM budget (CPU builds, host=file): the experts stay in the file
+    uint64_t runtime = 0; // with ram=: the runtime's term (what the process holds besides weights, context, reserve,
+                          // banks and readers); 0: LLAMA_EXPERT_RUNTIME_BASELINE. auto writes what it measured
 
     // ubatches of at least this many tokens skip the policy: stock routing, then the residency is warmed
     // with the ubatch's most selected experts (prefill); 0: never

@@ -306,6 +306,50 @@ static void test_near_the_fit() {
 
 // keys after auto: slots= replaces the plan's budget, mode= runs an off plan's keys, and the plan line names what
 // the user replaced (issue 35, item 4)
+// the file tier's runtime term: with the held memory known (a mapped model), what the process holds less its context
+// and LLAMA_EXPERT_RUNTIME_GROWTH, in place of LLAMA_EXPERT_RUNTIME_BASELINE; the plan carries it for the engine
+static void test_file_tier_runtime() {
+    CHECK(llama_expert_runtime_baseline(0, 2*MiB) == LLAMA_EXPERT_RUNTIME_BASELINE);
+    CHECK(llama_expert_runtime_baseline(6*MiB, 2*MiB) == 4*MiB + LLAMA_EXPERT_RUNTIME_GROWTH);
+    CHECK(llama_expert_runtime_baseline(1*MiB, 2*MiB) == LLAMA_EXPERT_RUNTIME_GROWTH);
+    const llama_expert_auto_model m = big_model();
+    const llama_expert_auto_plan fixed = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!fixed.off && fixed.runtime == 0 && fixed.slots == 93);
+    // 200 MiB held (the context's 384 MiB is not in it here: the difference is 0) -> 8 MiB in place of 48: the same
+    // ram=, 40 MiB more for the banks (94 slots of 132 MiB); with 3 GiB held besides the context, fewer slots
+    llama_expert_auto_model h = m;
+    h.held = 200*MiB;
+    llama_expert_auto_plan p = llama_expert_auto_decide(h, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!p.off && p.runtime == LLAMA_EXPERT_RUNTIME_GROWTH && p.slots == 94);
+    CHECK(p.spec() == "mode=engine,policy=quality,host=file,ram=14745M,runtime=8M" && fixed.spec() ==
+          "mode=engine,policy=quality,host=file,ram=14745M");
+    h.held = m.context + 3*GiB;
+    p = llama_expert_auto_decide(h, 16*GiB, "x", RESERVE, 4, "");
+    CHECK(!p.off && p.runtime == 3*GiB + LLAMA_EXPERT_RUNTIME_GROWTH && p.slots < fixed.slots);
+    CHECK(p.slots == (int32_t) ((14745*MiB - (1536*MiB + 384*MiB + 256*MiB + 5*(MiB + 8192) + p.runtime + 132*MiB +
+        144*512)) / (132*MiB)));
+    // a small model (studymoe's facts, 92 MiB usable): 6.5 MiB held -> 374 slots where the constant gave 145
+    llama_expert_auto_model s;
+    s.n_expert = 512; s.k = 10; s.per_slot = 156672; s.experts = s.per_slot*512; s.n_banks = 18; s.max_slice = 8704;
+    s.weights = 6643712; s.context = 786432; s.mapped = true;
+    const uint64_t usable = 92*MiB;
+    p = llama_expert_auto_decide(s, usable, "cg", 5*MiB, 4, "");
+    CHECK(!p.off && p.runtime == 0 && !has(p.spec(), "runtime="));
+    const int32_t n_fixed = p.slots;
+    CHECK(n_fixed == 145);
+    s.held = 6*MiB + MiB/2;
+    p = llama_expert_auto_decide(s, usable, "cg", 5*MiB, 4, "");
+    // 6.5 MiB held less the context's 0.75 MiB, plus 8: 13.75 MiB, written (and counted) as runtime=14M
+    CHECK(!p.off && p.runtime == 14*MiB && has(p.spec(), ",ram=82M,runtime=14M") && parses(p.spec()));
+    CHECK(p.slots - n_fixed == (int32_t) ((48*MiB - p.runtime) / 156672) || p.slots - n_fixed ==
+          (int32_t) ((48*MiB - p.runtime) / 156672) + 1);
+    CHECK(p.slots == 372);
+    // unmapped: the weights read in are in the held memory: the constant (and the file tier refused anyway)
+    s.mapped = false;
+    p = llama_expert_auto_decide(s, usable, "cg", 5*MiB, 4, "");
+    CHECK(p.runtime == 0);
+}
+
 static void test_user_keys() {
     const llama_expert_auto_model m = big_model();
     llama_expert_auto_plan p = llama_expert_auto_decide(m, 16*GiB, "x", RESERVE, 4, "");
@@ -330,6 +374,7 @@ static void test_user_keys() {
 int main() {
     test_compute_estimate();
     test_near_the_fit();
+    test_file_tier_runtime();
     test_user_keys();
     test_remote_layers();
     test_cpu_plans();
