@@ -29,8 +29,22 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                                          const std::string & pack_spec)
         : n_expert(n_expert_), n_slots(n_slots_), n_ram(host_file ? n_ram_ : 0) {
     const std::string pfx = prefix;
+    no_alloc = model.hparams.no_alloc;
     layers.resize(moe.size());
+    alloc_banks(make_banks(model, moe, host_file, direct, pfx), pfx);
+    if (host_file && !no_alloc && pack_spec != "off") {
+        open_pack(pack_spec, direct, pfx);
+    }
+    if (host_file && !no_alloc) {
+        release_mapped_experts();
+    }
+    make_copiers(model, moe, async, host_file, readers, pfx);
+}
 
+// the bank (n_slots + 1 spare) and RAM-tier tensors of every MoE layer, in a ggml context per buffer type (no data
+// yet); host=file: the model files they read from, opened. Throws for layouts that cannot be copied slot by slot
+std::map<ggml_backend_buffer_type_t, ggml_context *> llama_expert_engine::make_banks(const llama_model & model,
+        const std::vector<bool> & moe, bool host_file, llama_expert_direct direct, const std::string & pfx) {
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
     auto ctx_for = [&](ggml_backend_buffer_type_t buft) {
         auto it = ctx_of.find(buft);
@@ -87,7 +101,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
                 LLAMA_LOG_WARN("%s: WARNING: the expert tensors (e.g. %s, in %s) are in pageable host memory, not in "
                     "%s: every fetch into the cache is a slower, synchronous copy. To load them into pinned memory, "
                     "load without mmap (--load-mode none; llama-bench: -lm none) and keep the experts on the CPU (--cpu-moe)\n",
-                    __func__, ggml_get_name(src), ggml_backend_buffer_name(src->buffer), ggml_backend_buft_name(host_buft));
+                    "llama_expert_engine", ggml_get_name(src), ggml_backend_buffer_name(src->buffer), ggml_backend_buft_name(host_buft));
                 warned_pageable = true;
             }
             const int d = llama_expert_dim(src);
@@ -133,8 +147,12 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         layers[il].slot_state.assign(n_slots, LLAMA_EXPERT_SLOT_READY);
         layers[il].ram_expert.assign(n_ram, -1);
     }
+    return ctx_of;
+}
 
-    no_alloc = model.hparams.no_alloc;
+// the banks' buffers, one per buffer type, cleared (a memory-fitting dry run: dummy buffers, nothing allocated)
+void llama_expert_engine::alloc_banks(const std::map<ggml_backend_buffer_type_t, ggml_context *> & ctx_of,
+        const std::string & pfx) {
     for (auto & [buft, ctx] : ctx_of) {
         ggml_backend_buffer_t buf;
         const size_t size = ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft);
@@ -155,52 +173,53 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         if (!no_alloc) {
             ggml_backend_buffer_clear(buf, 0);
         }
-        LLAMA_LOG_INFO("%s: cache banks: %8.2f MiB in %s (%d slots + 1 spare per layer)\n", __func__,
+        LLAMA_LOG_INFO("%s: cache banks: %8.2f MiB in %s (%d slots + 1 spare per layer)\n", "llama_expert_engine",
             size/1024.0/1024.0, ggml_backend_buft_name(buft), n_slots);
         bufs.emplace_back(buf);
         sizes.emplace_back(buft, size);
     }
+}
 
-    if (host_file && !no_alloc && pack_spec != "off") {
-        open_pack(pack_spec, direct, pfx);
+// host=file: the mapped expert tensors' pages dropped (the banks never read them), and the non-expert weights' faults
+// kept from reading ahead into the experts
+void llama_expert_engine::release_mapped_experts() {
+    // the expert tensors stay mapped but are never read by the banks: drop their pages (the loader may have
+    // populated the mapping), so that they cost no RAM; stock-path ubatches (prefill) fault them in again
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    uint64_t released = 0;
+    for (const auto & L : layers) {
+        for (const auto & b : L.banks) {
+            const uintptr_t lo = (uintptr_t) b.src->data & ~(page - 1);
+            const uintptr_t hi = (uintptr_t) b.src->data + ggml_nbytes(b.src);
+            madvise((void *) lo, hi - lo, MADV_DONTNEED);
+            posix_fadvise(b.file->fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
+            released += ggml_nbytes(b.src);
+        }
     }
-
-    if (host_file && !no_alloc) {
-        // the expert tensors stay mapped but are never read by the banks: drop their pages (the loader may have
-        // populated the mapping), so that they cost no RAM; stock-path ubatches (prefill) fault them in again
-        const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
-        uint64_t released = 0;
-        for (const auto & L : layers) {
-            for (const auto & b : L.banks) {
-                const uintptr_t lo = (uintptr_t) b.src->data & ~(page - 1);
-                const uintptr_t hi = (uintptr_t) b.src->data + ggml_nbytes(b.src);
-                madvise((void *) lo, hi - lo, MADV_DONTNEED);
-                posix_fadvise(b.file->fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
-                released += ggml_nbytes(b.src);
-            }
+    LLAMA_LOG_INFO("%s: host=file: missed experts are read from %zu model file(s); %.1f MiB of mapped expert "
+        "tensors released from memory\n", "llama_expert_engine", files.size(), released/1024.0/1024.0);
+    // the non-expert weights stay mapped: their faults must not read ahead into the experts
+    // (llama-expert-mapping.h)
+    std::map<const llama_expert_file *, std::pair<uintptr_t, std::vector<std::pair<uint64_t, uint64_t>>>> by_file;
+    for (const auto & L : layers) {
+        for (const auto & b : L.banks) {
+            auto & e = by_file[b.file];
+            e.first = (uintptr_t) b.src->data - b.file_off;
+            e.second.emplace_back(b.file_off, ggml_nbytes(b.src));
         }
-        LLAMA_LOG_INFO("%s: host=file: missed experts are read from %zu model file(s); %.1f MiB of mapped expert "
-            "tensors released from memory\n", __func__, files.size(), released/1024.0/1024.0);
-        // the non-expert weights stay mapped: their faults must not read ahead into the experts
-        // (llama-expert-mapping.h)
-        std::map<const llama_expert_file *, std::pair<uintptr_t, std::vector<std::pair<uint64_t, uint64_t>>>> by_file;
-        for (const auto & L : layers) {
-            for (const auto & b : L.banks) {
-                auto & e = by_file[b.file];
-                e.first = (uintptr_t) b.src->data - b.file_off;
-                e.second.emplace_back(b.file_off, ggml_nbytes(b.src));
-            }
-        }
-        llama_expert_mapping_confined conf;
-        for (auto & [f, e] : by_file) {
-            const auto c = llama_expert_mapping_confine(e.first, f->size, std::move(e.second));
-            conf.bytes += c.bytes; conf.ranges += c.ranges; conf.failed += c.failed;
-        }
-        LLAMA_LOG_INFO("%s: host=file: %.1f MiB of non-expert weights in %d mapped ranges read without readahead "
-            "into the experts (MADV_RANDOM)%s\n", __func__, conf.bytes/1024.0/1024.0, conf.ranges,
-            conf.failed ? "; madvise refused some ranges, left as they were" : "");
     }
+    llama_expert_mapping_confined conf;
+    for (auto & [f, e] : by_file) {
+        const auto c = llama_expert_mapping_confine(e.first, f->size, std::move(e.second));
+        conf.bytes += c.bytes; conf.ranges += c.ranges; conf.failed += c.failed;
+    }
+    LLAMA_LOG_INFO("%s: host=file: %.1f MiB of non-expert weights in %d mapped ranges read without readahead "
+        "into the experts (MADV_RANDOM)%s\n", "llama_expert_engine", conf.bytes/1024.0/1024.0, conf.ranges,
+        conf.failed ? "; madvise refused some ranges, left as they were" : "");
+}
 
+void llama_expert_engine::make_copiers(const llama_model & model, const std::vector<bool> & moe,
+        llama_expert_async async, bool host_file, int32_t readers, const std::string & pfx) {
     // background copies: one copier per device of the banks. host=file: reads from the disk are worth overlapping
     // on any device, so async=auto reads background admissions in a host thread where the banks are in host memory
     // every layer has a copier: its device's background copier (llama_expert_copier_create), else the synchronous one
@@ -218,7 +237,7 @@ llama_expert_engine::llama_expert_engine(const llama_model & model, const std::v
         auto it = copier_of.find(dev);
         if (it == copier_of.end()) {
             auto c = llama_expert_copier_create(dev, async, host_file, readers,
-                files.empty() || files.begin()->second->direct, 3*(int32_t) moe.size(), (int32_t) il, pfx, __func__);
+                files.empty() || files.begin()->second->direct, 3*(int32_t) moe.size(), (int32_t) il, pfx, "llama_expert_engine");
             llama_expert_copier * ptr = c ? c.get() : copier_sync.get();
             if (c) {
                 copiers.push_back(std::move(c));

@@ -125,6 +125,14 @@ struct llama_expert_engine {
     std::unique_ptr<llama_expert_pack> pack;
     void open_pack(const std::string & spec, llama_expert_direct direct, const std::string & pfx);
 
+    // the constructor's steps, in order (llama-expert-engine.cpp says what each does)
+    std::map<ggml_backend_buffer_type_t, ggml_context *> make_banks(const llama_model & model,
+            const std::vector<bool> & moe, bool host_file, llama_expert_direct direct, const std::string & pfx);
+    void alloc_banks(const std::map<ggml_backend_buffer_type_t, ggml_context *> & ctx_of, const std::string & pfx);
+    void release_mapped_experts();
+    void make_copiers(const llama_model & model, const std::vector<bool> & moe, llama_expert_async async,
+            bool host_file, int32_t readers, const std::string & pfx);
+
     // the bank of a layer's expert tensor; null for null; throws for a tensor without a bank
     ggml_tensor * bank(int32_t il, ggml_tensor * src) const;
 
