@@ -808,24 +808,35 @@ def test_engine_host_file_refusals(engine_models: dict[str, Path], engine_text: 
         assert r.returncode != 0 and want in r.output, (spec, r.output[-1500:])
 
 
-def _rss_during(args: list[str], env: dict[str, str]) -> tuple[int, list[int], str]:
-    """Run args, sampling the resident set size every 5 ms; (returncode, samples, output)."""
+def _sample_during(args: list[str], env: dict[str, str], read: Callable[[int], int],
+                   every: float) -> tuple[int, list[int], str]:
+    """Run args, sampling read(pid) (bytes) every `every` seconds until it exits; (returncode, samples, output)."""
     import time
-
-    import psutil
 
     samples: list[int] = []
     with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        proc = psutil.Process(p.pid)
         deadline = time.time() + 300
         while p.poll() is None and time.time() < deadline:
             try:
-                samples.append(int(proc.memory_info().rss))
-            except psutil.Error:
+                samples.append(read(p.pid))
+            except (OSError, LookupError):
                 break
-            time.sleep(0.005)
+            time.sleep(every)
         out = p.communicate(timeout=60)[0]
     return int(p.returncode), samples, out
+
+
+def _rss_during(args: list[str], env: dict[str, str]) -> tuple[int, list[int], str]:
+    """Run args, sampling the resident set size every 5 ms; (returncode, samples, output)."""
+    import psutil
+
+    def rss(pid: int) -> int:
+        try:
+            return int(psutil.Process(pid).memory_info().rss)
+        except psutil.Error as e:
+            raise LookupError(pid) from e
+
+    return _sample_during(args, env, rss, 0.005)
 
 
 @pytest.mark.build
@@ -863,21 +874,12 @@ def test_engine_host_file_keeps_the_experts_out_of_ram(engine_text: Path, tmp_pa
 
 def _anon_peak(args: list[str], env: dict[str, str]) -> tuple[int, int, str]:
     """Run args, sampling the process's RssAnon every 2 ms; (returncode, peak bytes, output)."""
-    import time
+    def anon(pid: int) -> int:
+        m = re.search(r"^RssAnon:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+        return int(m[1]) * 1024 if m else 0
 
-    peak = 0
-    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        deadline = time.time() + 300
-        while p.poll() is None and time.time() < deadline:
-            try:
-                status = Path(f"/proc/{p.pid}/status").read_text()
-            except OSError:
-                break
-            m = re.search(r"^RssAnon:\s+(\d+) kB", status, re.M)
-            peak = max(peak, int(m[1]) * 1024 if m else 0)
-            time.sleep(0.002)
-        out = p.communicate(timeout=60)[0]
-    return int(p.returncode), peak, out
+    rc, samples, out = _sample_during(args, env, anon, 0.002)
+    return rc, max(samples, default=0), out
 
 
 @pytest.mark.build
