@@ -29,6 +29,7 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_POLICY_SOURCES}
     ${MOE_SUBST_SRC}/llama/llama-expert-io.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-mapping.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-resident.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-pack.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-copier.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-measure.cpp

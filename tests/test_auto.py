@@ -175,6 +175,39 @@ def test_the_file_tier_counts_what_the_process_holds(patched_build: Build, synth
 
 
 @pytest.mark.build
+def test_near_the_fit_auto_measures_whether_stock_fits(patched_build: Build, synth_text_file: Path,
+                                                        tmp_path: Path) -> None:
+    """Issue 35's band: the mapped weights fit beside what the process holds (a fake 12 MiB), the estimate with the
+    compute buffers and logits (vram_reserve=16M) does not. Auto touches the weights and counts what stayed resident
+    (the fake limit is not enforced, so all of it): stock, the line saying it was measured, stock's output. Below the
+    band (the weights and the held memory above the limit) nothing is measured: the file tier."""
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=48, n_expert_used=4, n_embd=256, n_ff_exp=512),
+                              tmp_path / "m.gguf")
+    def env(limit: int) -> dict[str, str]:
+        machine = _fake_machine(tmp_path / f"m{limit}", limit)
+        (machine / "proc" / "self" / "status").write_text("Name:\tllama-perplexity\nRssAnon:\t   12288 kB\n")
+        return {"LLAMA_MOE_CACHE_MACHINE_ROOT": str(machine), "LLAMA_MOE_CACHE": "auto,vram_reserve=16M"}
+
+    rc, out, stock = _run(patched_build, model, synth_text_file, tmp_path, {"LLAMA_MOE_CACHE": "mode=off"})
+    assert rc == 0 and stock, out[-3000:]
+    rc, out, _ = _run(patched_build, model, synth_text_file, tmp_path, env(1024 * MiB))
+    m = re.match(r"off: the model \((\d+\.\d) MiB with the 12\.0 MiB this process holds", _auto_line(out))
+    assert rc == 0 and m, _auto_line(out)
+    estimate = float(m[1]) * MiB  # the weights, 12 MiB held and 16 MiB of vram_reserve
+    for limit, measured in ((int(estimate - 8 * MiB), True), (int(estimate - 16 * MiB - 4 * MiB), False)):
+        rc, out, logits = _run(patched_build, model, synth_text_file, tmp_path, env(limit))
+        assert rc == 0, out[-3000:]
+        line = _auto_line(out)
+        near = [ln for ln in out.splitlines() if "auto: near the fit: " in ln]
+        if measured:
+            assert line.startswith("off: ") and "measured, all" in line and "stock is as fast" in line, line
+            assert len(near) == 1 and re.search(r"near the fit: (\d+\.\d) of \1 MiB", near[0]), near
+            assert logits == stock
+        else:
+            assert "runs from the file tier" in line and "measured" not in line and not near, line
+
+
+@pytest.mark.build
 def test_near_the_fit_runs_the_file_tier(patched_build: Build, synth_text_file: Path, tmp_path: Path) -> None:
     """Issue 35: a model file of 98.6 MiB in a (fake) 130 MiB limit, 139 MiB with its context, compute buffers and
     runtime (the fixed estimate: the fake machine has no /proc/self/status, so what the process holds is unknown):

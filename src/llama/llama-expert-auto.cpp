@@ -56,6 +56,15 @@ static uint64_t auto_output_exact(const llama_expert_auto_model & m) {
     return 4*m.n_vocab*(uint64_t) m.n_batch;
 }
 
+// what a decode adds to the held memory: a one-token ubatch's compute buffers, the logits reserved at creation (a row
+// per sequence) and the runtime's growth (LLAMA_EXPERT_STOCK_DECODE_GROWTH)
+static uint64_t auto_decode_exact(const llama_expert_auto_model & m) {
+    llama_expert_auto_model one = m;
+    one.n_ubatch = 1;
+    const uint64_t compute = m.n_vocab == 0 ? 0 : auto_compute_exact(one);
+    return compute + 4*m.n_vocab*(uint64_t) std::max<uint32_t>(m.n_seq, 1) + LLAMA_EXPERT_STOCK_DECODE_GROWTH;
+}
+
 uint64_t llama_expert_auto_compute_bytes(const llama_expert_auto_model & m) {
     return auto_mib_up(auto_compute_exact(m));
 }
@@ -147,8 +156,24 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
             return auto_off(auto_format("the model (%.1f MiB %s, %s%s) fits in the %s: stock is as fast",
                 stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str()));
         }
-        const std::string what = auto_format("the model (%.1f MiB %s, %s%s) is more than the %s, so it",
-            stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str());
+        // near the fit: the mapped weights fit beside what the process holds, and the estimate's compute buffers and
+        // logits (a whole ubatch, a whole batch's outputs, which a decode does not touch) do not. The estimate cannot
+        // say there whether stock decodes at full speed or thrashes (studymoe in 92 MiB: stock 776 t/s, the file tier
+        // 0.66x; in 88 MiB, below the band: stock 26 t/s, the file tier 18x): measured, where the caller can
+        const bool near_band = held_known && m.mapped && known && host_file + m.held <= usable;
+        if (near_band && m.stock_fits == 1) {
+            return auto_off(auto_format("the model (%.1f MiB %s, %s) is above the %s by its estimate, but measured, "
+                "all %.1f MiB of its mapped weights stayed resident, touched once beside what the process holds and "
+                "%.1f MiB for a decode: stock is as fast (a tool that asks for every token's logits, as "
+                "llama-perplexity, may thrash its page cache there, as stock's would)", stock_ram/MiB,
+                with_what.c_str(), reserve_facts.c_str(), ram_facts.c_str(), m.stock_touched/MiB,
+                auto_decode_exact(m)/MiB));
+        }
+        const std::string measured = near_band && m.stock_fits == 0 ? auto_format("; measured, %.1f of its %.1f MiB "
+            "of mapped weights stayed resident when touched once", m.stock_resident/MiB, m.stock_touched/MiB) : "";
+        const std::string what = auto_format("the model (%.1f MiB %s, %s%s) is more than the %s%s, so it",
+            stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str(),
+            measured.empty() ? "" : measured.c_str());
         // near the fit: the model file fits in what the process may use, and only the context, compute buffers and
         // runtime do not. The file tier is faster there where it can run (above); where it cannot (a repacked or
         // unmapped model) stock still runs, from the page cache: auto does not refuse it, the line says what the file
@@ -211,6 +236,8 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
         p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM (ram= that less "
             "a %d%% margin), the rest read from the model file; %s", what.c_str(), n, m.n_expert,
             LLAMA_EXPERT_AUTO_MARGIN_PCT, policy_why.c_str());
+        p.unsure  = near_band && m.stock_fits < 0;
+        p.ballast = p.unsure ? auto_decode_exact(m) : 0;
         return p;
     }
 

@@ -46,6 +46,13 @@ struct llama_expert_auto_model {
     // llama.cpp clears when it allocates it, and with --no-mmap or a repack the weights read in): counted in place of
     // the context and LLAMA_EXPERT_AUTO_STOCK_BASELINE when stock's fit is asked; 0: unknown (a unit test's facts)
     uint64_t held     = 0;
+    uint32_t n_seq    = 1;   // the context's sequences: the logits' rows reserved at creation (a decode's outputs)
+    // near the fit (stock's weights fit beside what the process holds, its estimate with the compute buffers and
+    // logits does not): whether stock's weights stayed resident when touched, measured by the caller
+    // (llama_expert_touch_resident, llama-expert-resident.h) when a plan says `unsure`: -1 not measured, 0 no, 1 yes
+    int8_t   stock_fits     = -1;
+    uint64_t stock_touched  = 0;   // the measurement's bytes of mapped weights touched
+    uint64_t stock_resident = 0;   // of those, resident afterwards
 };
 
 // what auto counts for the runtime when it asks whether stock fits and the process's own memory is unknown (held = 0;
@@ -55,6 +62,11 @@ struct llama_expert_auto_model {
 // the process may use"), without the budget's doubling (LLAMA_EXPERT_RUNTIME_BASELINE, which stands in for the margin
 // that a ram= budget by hand does not leave): stock's weights are page cache, so a squeeze slows it gradually
 #define LLAMA_EXPERT_AUTO_STOCK_BASELINE (24ull << 20)
+
+// what a stock decode adds to what the process holds at context creation, beside the compute buffers of a one-token
+// ubatch and its logits: studymoe's llama-bench -n 64 (--repack 0, 2 threads) peaked at 8.2 MiB of RssAnon where it
+// held 6.5 MiB at creation. The ballast of the measurement near the fit (llama-expert-resident.h)
+#define LLAMA_EXPERT_STOCK_DECODE_GROWTH (2ull << 20)
 
 // the compute reserve auto counts when it knows none of the context's sizes (the spec's default vram_reserve)
 #define LLAMA_EXPERT_AUTO_RESERVE_UNKNOWN (256ull << 20)
@@ -79,6 +91,10 @@ struct llama_expert_auto_plan {
     // the runtime's term the file tier's ram= was planned with (llama_expert_runtime_baseline of the held memory), which
     // the engine counts in place of LLAMA_EXPERT_RUNTIME_BASELINE; 0: the constant (held unknown, or no file tier)
     uint64_t    runtime = 0;
+    // near the fit and not measured (stock_fits -1): the file tier's plan, and the caller may measure whether stock's
+    // weights stay resident (touching them beside `ballast` bytes, a decode's growth) and decide again with the answer
+    bool        unsure  = false;
+    uint64_t    ballast = 0;
 
     // "mode=engine,policy=quality,host=file,ram=1843M" ("mode=off" when off)
     std::string spec() const;

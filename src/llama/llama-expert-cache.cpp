@@ -8,6 +8,7 @@
 #include "llama-expert-profile.h"
 #include "llama-expert-machine.h"
 #include "llama-expert-measure.h"
+#include "llama-expert-resident.h"
 #include "llama-expert-tuned.h"
 #include "llama-expert-writer.h"
 
@@ -159,9 +160,25 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
     facts.n_batch  = cparams.n_outputs_max > 0 ? cparams.n_outputs_max : cparams.n_batch;
     facts.n_ubatch = cparams.n_ubatch;
     const llama_expert_machine machine = llama_expert_machine_current();
+    facts.n_seq    = cparams.n_seq_max;
     facts.held = machine.self_anon;  // after the KV cache's allocation (patch 0004's call site): it is in there
     llama_expert_auto_plan plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
         reserve_given ? given.vram_reserve : 0, given.readers, policy_given ? given.preset : "", policy_given);
+    if (plan.unsure && !model.hparams.no_alloc) {
+        // near the fit: whether stock's weights stay resident here, measured (llama-expert-resident.h), and the
+        // decision taken again with the answer (with the machine as read before: the touch charged the page cache)
+        const llama_expert_resident r = llama_expert_touch_resident(llama_expert_mapped_weight_ranges(model),
+            plan.ballast);
+        LLAMA_LOG_INFO("%s: auto: near the fit: %.1f of %.1f MiB of mapped weights resident after touching them "
+            "beside %.1f MiB\n", __func__, r.resident/1048576.0, r.touched/1048576.0, r.ballast/1048576.0);
+        if (r.ok && r.touched > 0) {
+            facts.stock_fits     = r.all() ? 1 : 0;
+            facts.stock_touched  = r.touched;
+            facts.stock_resident = r.resident;
+            plan = llama_expert_auto_decide(facts, machine.usable(), machine.describe(),
+                reserve_given ? given.vram_reserve : 0, given.readers, policy_given ? given.preset : "", policy_given);
+        }
+    }
     if (!plan.err.empty()) {
         throw std::runtime_error(std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': " + plan.err);
     }

@@ -186,3 +186,17 @@ llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model
     }
     return m;
 }
+
+std::vector<std::pair<uintptr_t, uintptr_t>> llama_expert_mapped_weight_ranges(const llama_model & model) {
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        std::string path;
+        uint64_t off = 0;
+        if (t == nullptr || t->data == nullptr || t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer) ||
+                !llama_expert_mapped_file_of(t->data, path, off)) {
+            continue;
+        }
+        ranges.emplace_back((uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t));
+    }
+    return ranges;
+}

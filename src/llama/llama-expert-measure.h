@@ -52,3 +52,7 @@ int32_t llama_expert_engine_slots_for_budget(const llama_model & model, const st
 // GPU's free memory), whether they are mapped from the model file and whether the CPU repacked them.
 llama_expert_auto_model llama_expert_engine_auto_facts(const llama_model & model,
         const std::map<ggml_backend_buffer_type_t, size_t> & ctx_mem);
+
+// The host memory of the model's weights mapped from its file(s): [begin, end) addresses of every tensor whose data
+// is in a mapping (near the fit, auto touches them to measure whether stock's weights stay resident)
+std::vector<std::pair<uintptr_t, uintptr_t>> llama_expert_mapped_weight_ranges(const llama_model & model);

@@ -308,6 +308,52 @@ static void test_near_the_fit() {
 // the user replaced (issue 35, item 4)
 // the file tier's runtime term: with the held memory known (a mapped model), what the process holds less its context
 // and LLAMA_EXPERT_RUNTIME_GROWTH, in place of LLAMA_EXPERT_RUNTIME_BASELINE; the plan carries it for the engine
+// near the fit, measured (issue 35): the mapped weights fit beside what the process holds and the estimate with a
+// whole ubatch's compute buffers and a whole batch's logits does not. The plan is the file tier's, marked unsure with
+// the ballast of a decode for the caller's measurement; the answer decides: all resident, stock (off, saying it was
+// measured); some evicted, the file tier, saying how much stayed. Below the band, or with the held memory unknown,
+// nothing is measured
+static void test_measured_near_the_fit() {
+    llama_expert_auto_model m;
+    m.n_expert = 512; m.k = 10; m.n_vocab = 8192; m.n_embd = 256; m.n_ff_exp = 32; m.n_ctx = 512;
+    m.n_ubatch = 8; m.n_batch = 8;  // 348,160 bytes of compute buffers and 262,144 of logits, unrounded
+    m.per_slot = 6*3*32*256 + 6*3*32*34; m.experts = m.per_slot*512; m.n_banks = 18; m.max_slice = 8704;
+    m.weights = 7*MiB; m.context = 2*MiB; m.held = 6*MiB;
+    const uint64_t file = m.weights + m.experts;
+    const uint64_t usable = file + 6*MiB + 256*1024;  // above the file and the held memory, below the estimate
+    llama_expert_auto_plan p = llama_expert_auto_decide(m, usable, "cg", 0, 4, "");
+    CHECK(!p.off && p.unsure && has(p.why, "runs from the file tier") && !has(p.why, "measured"));
+    // a decode's ballast: a one-token ubatch (4 x (8192 + 512) x 1.25), one row of logits and the runtime's growth
+    CHECK(p.ballast == 34816/4*5 + 4*8192 + LLAMA_EXPERT_STOCK_DECODE_GROWTH);
+    m.n_seq = 4;  // a row of logits per sequence
+    CHECK(llama_expert_auto_decide(m, usable, "cg", 0, 4, "").ballast == p.ballast + 3*4*8192);
+    m.n_seq = 1;
+    llama_expert_auto_model yes = m;
+    yes.stock_fits = 1; yes.stock_touched = file; yes.stock_resident = file;
+    p = llama_expert_auto_decide(yes, usable, "cg", 0, 4, "");
+    CHECK(p.off && p.err.empty() && !p.unsure && has(p.why, "measured, all") && has(p.why, "stock is as fast"));
+    CHECK(has(p.why, "llama-perplexity"));
+    llama_expert_auto_model no = m;
+    no.stock_fits = 0; no.stock_touched = file; no.stock_resident = file - 3*MiB;
+    p = llama_expert_auto_decide(no, usable, "cg", 0, 4, "");
+    CHECK(!p.off && !p.unsure && p.ballast == 0 && has(p.why, "runs from the file tier"));
+    CHECK(has(p.why, "; measured, 85.6 of its 88.6 MiB") && has(p.why, "stayed resident when touched once, so it"));
+    // below the band (the file and the held memory do not fit): the file tier, nothing to measure
+    p = llama_expert_auto_decide(m, file + 5*MiB, "cg", 0, 4, "");
+    CHECK(!p.off && !p.unsure);
+    // a measurement below the band changes nothing: the estimate is sure there
+    no.stock_fits = 1;
+    p = llama_expert_auto_decide(no, file + 5*MiB, "cg", 0, 4, "");
+    CHECK(!p.off && !has(p.why, "measured"));
+    // the held memory unknown (a unit test's facts, a repack): the fixed estimate, never unsure
+    llama_expert_auto_model u = m;
+    u.held = 0;
+    CHECK(!llama_expert_auto_decide(u, usable, "cg", 0, 4, "").unsure);
+    // above the estimate: off without measuring
+    p = llama_expert_auto_decide(m, file + 7*MiB, "cg", 0, 4, "");
+    CHECK(p.off && !p.unsure && !has(p.why, "measured"));
+}
+
 static void test_file_tier_runtime() {
     CHECK(llama_expert_runtime_baseline(0, 2*MiB) == LLAMA_EXPERT_RUNTIME_BASELINE);
     CHECK(llama_expert_runtime_baseline(6*MiB, 2*MiB) == 4*MiB + LLAMA_EXPERT_RUNTIME_GROWTH);
@@ -374,6 +420,7 @@ static void test_user_keys() {
 int main() {
     test_compute_estimate();
     test_near_the_fit();
+    test_measured_near_the_fit();
     test_file_tier_runtime();
     test_user_keys();
     test_remote_layers();
