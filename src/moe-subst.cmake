@@ -13,6 +13,7 @@ set(MOE_SUBST_SRC "${CMAKE_CURRENT_LIST_DIR}")
 # (tests/conftest.py reads it from here, the one place it is written).
 set(MOE_SUBST_POLICY_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-spec.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-spec-json.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-rules.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-policy.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-profile.cpp

@@ -85,20 +85,33 @@ static llama_expert_auto_plan auto_error(const std::string & err) {
     return p;
 }
 
-llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & m, uint64_t usable,
-        const std::string & facts, uint64_t reserve, int32_t readers, const std::string & policy_in,
-        bool policy_given) {
-    const std::string policy = policy_in.empty() ? "quality" : policy_in;
-    const std::string policy_why = policy_in.empty() ? "policy quality (no tuned profile)" :
-        "policy " + policy + (policy_given ? " (given)" : " (the tuned profile's)");
-    if (m.n_expert <= 0 || m.k <= 0 || m.per_slot == 0) {
-        return auto_off("the model has no routed experts: the cache has nothing to hold");
-    }
-    if (!m.remote.empty()) {
-        return auto_off("MoE layers are on " + m.remote + ", a device reached over the network (ggml-rpc): the cache "
-            "serves local layers only, so the model runs stock");
-    }
+// the terms of the decision: the compute buffers and logits, stock's footprint in RAM, what the process may use
+struct auto_terms {
+    bool        reserve_given;  // the user gave vram_reserve=
+    uint64_t    compute;        // the compute buffers (MiB-rounded), or the user's reserve
+    uint64_t    output;         // the logits of a batch (MiB-rounded; 0 with the user's reserve)
+    std::string reserve_facts;  // the line's words for those two
+    uint64_t    host_weights;   // the weights in host memory (a GPU holds the rest)
+    uint64_t    host_context;   // the context in host memory
+    uint64_t    host_reserve;   // the compute buffers and logits in host memory
+    uint64_t    fit_reserve;    // the same in bytes, unrounded, for whether stock fits
+    bool        held_known;     // what the process holds is known (and stands for the context and the runtime)
+    uint64_t    host_file;      // the host weights and the host experts: the file's part stock maps
+    uint64_t    stock_ram;      // stock's estimate in RAM
+    std::string with_what;      // the line's words for what the estimate counts
+    const char * runtime;       // ", and the runtime" where the fixed runtime is counted
+    bool        known;          // the machine's memory is known
+    uint64_t    room;           // what the process may use less the margin
+    bool        fits_ram;       // stock fits by the estimate
+    std::string ram_facts;      // the line's words for the machine
+    std::string policy;
+    std::string policy_why;
+    int32_t     readers;
+    uint64_t    usable;
+};
 
+static auto_terms auto_terms_of(const llama_expert_auto_model & m, uint64_t usable, const std::string & facts,
+        uint64_t reserve, int32_t readers, const std::string & policy, const std::string & policy_why) {
     // the compute buffers and the logits: the user's vram_reserve, or what llama.cpp will allocate for this context
     const bool     reserve_given = reserve > 0;
     const uint64_t compute       = reserve_given ? reserve : llama_expert_auto_compute_bytes(m);
@@ -137,111 +150,123 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     const bool     fits_ram     = !known || stock_ram <= usable;
     const std::string ram_facts = known ? auto_format("%.1f MiB this process may use (%s)", usable/MiB,
         facts.c_str()) : "no memory facts (" + facts + ")";
+    return { reserve_given, compute, output, reserve_facts, host_weights, host_context, host_reserve, fit_reserve,
+        held_known, host_file, stock_ram, with_what, runtime, known, room, fits_ram, ram_facts, policy, policy_why,
+        readers, usable };
+}
 
-    // the file tier's requirements: the experts read from the model file, in their plain layout
-    auto file_tier_refusal = [&](const char * what) -> std::string {
-        if (m.repacked) {
-            return auto_format("auto: %s needs the file tier, whose experts must be in their plain layout, but they "
-                "were repacked for the CPU: add --no-repack (-nr)", what);
-        }
-        if (!m.mapped) {
-            return auto_format("auto: %s needs the file tier, which reads the experts from the model file, but the "
-                "model was loaded without mmap: load it with mmap (drop --no-mmap, or --load-mode none)", what);
-        }
-        return "";
-    };
-
-    if (!m.gpu) {
-        if (fits_ram) {
-            return auto_off(auto_format("the model (%.1f MiB %s, %s%s) fits in the %s: stock is as fast",
-                stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str()));
-        }
-        // near the fit: the mapped weights fit beside what the process holds, and the estimate's compute buffers and
-        // logits (a whole ubatch, a whole batch's outputs, which a decode does not touch) do not. The estimate cannot
-        // say there whether stock decodes at full speed or thrashes (studymoe in 92 MiB: stock 776 t/s, the file tier
-        // 0.66x; in 88 MiB, below the band: stock 26 t/s, the file tier 18x): measured, where the caller can
-        const bool near_band = held_known && m.mapped && known && host_file + m.held <= usable;
-        if (near_band && m.stock_fits == 1) {
-            return auto_off(auto_format("the model (%.1f MiB %s, %s) is above the %s by its estimate, but measured, "
-                "all %.1f MiB of its mapped weights stayed resident, touched once beside what the process holds and "
-                "%.1f MiB for a decode: stock is as fast (a tool that asks for every token's logits, as "
-                "llama-perplexity, may thrash its page cache there, as stock's would)", stock_ram/MiB,
-                with_what.c_str(), reserve_facts.c_str(), ram_facts.c_str(), m.stock_touched/MiB,
-                auto_decode_exact(m)/MiB));
-        }
-        const std::string measured = near_band && m.stock_fits == 0 ? auto_format("; measured, %.1f of its %.1f MiB "
-            "of mapped weights stayed resident when touched once", m.stock_resident/MiB, m.stock_touched/MiB) : "";
-        const std::string what = auto_format("the model (%.1f MiB %s, %s%s) is more than the %s%s, so it",
-            stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str(),
-            measured.empty() ? "" : measured.c_str());
-        // near the fit: the model file fits in what the process may use, and only the context, compute buffers and
-        // runtime do not. The file tier is faster there where it can run (above); where it cannot (a repacked or
-        // unmapped model) stock still runs, from the page cache: auto does not refuse it, the line says what the file
-        // tier needs and the command that measures both
-        const uint64_t file_bytes = host_weights + m.experts;
-        const std::string refusal = file_tier_refusal(what.c_str());
-        const bool     near_fit   = !refusal.empty() && known && file_bytes <= usable;
-        if (!refusal.empty() && !near_fit) {
-            return auto_error(refusal);
-        }
-        llama_expert_budget b;
-        b.ram      = true;
-        b.budget   = room >> 20 << 20;
-        b.weights  = m.weights;
-        b.context  = m.context;
-        b.reserve  = compute + output;
-        b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
-        // what the process holds (the runtime, the vocabulary) and its growth, where known, in place of the fixed
-        // baseline (48 MiB, twice a small model's measured peak): studymoe holds 6.5 MiB with its context. Not for an
-        // unmapped model (the weights read in are in the held memory; the file tier needs mmap anyway)
-        const bool runtime_known = held_known && m.mapped;
-        b.baseline = runtime_known ? auto_mib_up(llama_expert_runtime_baseline(m.held, m.context)) :
-                                     LLAMA_EXPERT_RUNTIME_BASELINE; // whole MiB: the plan's runtime= is written so
-        b.per_slot = m.per_slot;
-        b.n_banks  = m.n_banks;
-        b.n_expert = m.n_expert;
-        b.k        = m.k;
-        std::string err;
-        const int32_t n = llama_expert_budget_slots(b, err);
-        if (n < 0) {
-            // not even k slots fit: the cache cannot help, and stock, whose weights stay in the (reclaimable) page
-            // cache, may still run where this estimate of the compute buffers and logits is above what the tool
-            // uses (a batch that asks for fewer logits): run stock, saying so, never refuse what stock would run
-            return auto_off(auto_format("%s would need the file tier, and even that needs at least %.0f MiB (%d "
-                "experts per layer resident): the cache cannot fit, so the model runs stock, from the page cache (slow "
-                "when it does not fit, and killed if the compute buffers do not: free memory, raise the memory limit, "
-                "or a smaller ubatch and batch, -ub and -b; the compute buffers and logits are vram_reserve=%s here)",
-                what.c_str(), b.minimum()/MiB + 1, m.k, auto_mib(compute + output).c_str()));
-        }
-        llama_expert_auto_plan p;
-        p.off   = false;
-        p.slots = n;
-        p.runtime = runtime_known ? b.baseline : 0;
-        p.keys  = { {"mode", "engine"}, {"policy", policy}, {"host", "file"}, {"ram", auto_mib(b.budget)} };
-        if (runtime_known) {
-            p.keys.emplace_back("runtime", auto_mib(b.baseline));
-        }
-        if (!reserve_given) {
-            p.keys.emplace_back("vram_reserve", auto_mib(compute + output));
-        }
-        p.policy_why = policy_why;
-        if (near_fit) {
-            return auto_off(auto_format("near the fit: the model file (%.1f MiB) fits in the %s, and %s, %s%s "
-                "(%.1f MiB) it does not, so it would need the file tier (%d of %d experts per layer in RAM: --moe-cache "
-                "%s), which needs --no-repack (-nr) and mmap: the model runs stock, from the page cache, which thrashes "
-                "when squeezed; `harness compare --ram %s` measures both", file_bytes/MiB, ram_facts.c_str(),
-                with_what.c_str(), reserve_facts.c_str(), runtime, stock_ram/MiB, n, m.n_expert, p.spec().c_str(),
-                auto_mib(usable).c_str()));
-        }
-        p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM (ram= that less "
-            "a %d%% margin), the rest read from the model file; %s", what.c_str(), n, m.n_expert,
-            LLAMA_EXPERT_AUTO_MARGIN_PCT, policy_why.c_str());
-        p.unsure  = near_band && m.stock_fits < 0;
-        p.ballast = p.unsure ? auto_decode_exact(m) : 0;
-        return p;
+// the file tier's requirements: the experts read from the model file, in their plain layout ("" when met)
+static std::string auto_file_tier_refusal(const llama_expert_auto_model & m, const char * what) {
+    if (m.repacked) {
+        return auto_format("auto: %s needs the file tier, whose experts must be in their plain layout, but they "
+            "were repacked for the CPU: add --no-repack (-nr)", what);
     }
+    if (!m.mapped) {
+        return auto_format("auto: %s needs the file tier, which reads the experts from the model file, but the "
+            "model was loaded without mmap: load it with mmap (drop --no-mmap, or --load-mode none)", what);
+    }
+    return "";
+}
 
-    // a GPU holds the MoE layers
+// a CPU machine: off where stock fits (or measured to, near the fit), else the file tier
+static llama_expert_auto_plan auto_decide_cpu(const llama_expert_auto_model & m, const auto_terms & t) {
+    const auto & [reserve_given, compute, output, reserve_facts, host_weights, host_context, host_reserve, fit_reserve,
+        held_known, host_file, stock_ram, with_what, runtime, known, room, fits_ram, ram_facts, policy, policy_why,
+        readers, usable] = t;
+    if (fits_ram) {
+        return auto_off(auto_format("the model (%.1f MiB %s, %s%s) fits in the %s: stock is as fast",
+            stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str()));
+    }
+    // near the fit: the mapped weights fit beside what the process holds, and the estimate's compute buffers and
+    // logits (a whole ubatch, a whole batch's outputs, which a decode does not touch) do not. The estimate cannot
+    // say there whether stock decodes at full speed or thrashes (studymoe in 92 MiB: stock 776 t/s, the file tier
+    // 0.66x; in 88 MiB, below the band: stock 26 t/s, the file tier 18x): measured, where the caller can
+    const bool near_band = held_known && m.mapped && known && host_file + m.held <= usable;
+    if (near_band && m.stock_fits == 1) {
+        return auto_off(auto_format("the model (%.1f MiB %s, %s) is above the %s by its estimate, but measured, "
+            "all %.1f MiB of its mapped weights stayed resident, touched once beside what the process holds and "
+            "%.1f MiB for a decode: stock is as fast (a tool that asks for every token's logits, as "
+            "llama-perplexity, may thrash its page cache there, as stock's would)", stock_ram/MiB,
+            with_what.c_str(), reserve_facts.c_str(), ram_facts.c_str(), m.stock_touched/MiB,
+            auto_decode_exact(m)/MiB));
+    }
+    const std::string measured = near_band && m.stock_fits == 0 ? auto_format("; measured, %.1f of its %.1f MiB "
+        "of mapped weights stayed resident when touched once", m.stock_resident/MiB, m.stock_touched/MiB) : "";
+    const std::string what = auto_format("the model (%.1f MiB %s, %s%s) is more than the %s%s, so it",
+        stock_ram/MiB, with_what.c_str(), reserve_facts.c_str(), runtime, ram_facts.c_str(),
+        measured.empty() ? "" : measured.c_str());
+    // near the fit: the model file fits in what the process may use, and only the context, compute buffers and
+    // runtime do not. The file tier is faster there where it can run (above); where it cannot (a repacked or
+    // unmapped model) stock still runs, from the page cache: auto does not refuse it, the line says what the file
+    // tier needs and the command that measures both
+    const uint64_t file_bytes = host_weights + m.experts;
+    const std::string refusal = auto_file_tier_refusal(m, what.c_str());
+    const bool     near_fit   = !refusal.empty() && known && file_bytes <= usable;
+    if (!refusal.empty() && !near_fit) {
+        return auto_error(refusal);
+    }
+    llama_expert_budget b;
+    b.ram      = true;
+    b.budget   = room >> 20 << 20;
+    b.weights  = m.weights;
+    b.context  = m.context;
+    b.reserve  = compute + output;
+    b.readers  = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
+    // what the process holds (the runtime, the vocabulary) and its growth, where known, in place of the fixed
+    // baseline (48 MiB, twice a small model's measured peak): studymoe holds 6.5 MiB with its context. Not for an
+    // unmapped model (the weights read in are in the held memory; the file tier needs mmap anyway)
+    const bool runtime_known = held_known && m.mapped;
+    b.baseline = runtime_known ? auto_mib_up(llama_expert_runtime_baseline(m.held, m.context)) :
+                                 LLAMA_EXPERT_RUNTIME_BASELINE; // whole MiB: the plan's runtime= is written so
+    b.per_slot = m.per_slot;
+    b.n_banks  = m.n_banks;
+    b.n_expert = m.n_expert;
+    b.k        = m.k;
+    std::string err;
+    const int32_t n = llama_expert_budget_slots(b, err);
+    if (n < 0) {
+        // not even k slots fit: the cache cannot help, and stock, whose weights stay in the (reclaimable) page
+        // cache, may still run where this estimate of the compute buffers and logits is above what the tool
+        // uses (a batch that asks for fewer logits): run stock, saying so, never refuse what stock would run
+        return auto_off(auto_format("%s would need the file tier, and even that needs at least %.0f MiB (%d "
+            "experts per layer resident): the cache cannot fit, so the model runs stock, from the page cache (slow "
+            "when it does not fit, and killed if the compute buffers do not: free memory, raise the memory limit, "
+            "or a smaller ubatch and batch, -ub and -b; the compute buffers and logits are vram_reserve=%s here)",
+            what.c_str(), b.minimum()/MiB + 1, m.k, auto_mib(compute + output).c_str()));
+    }
+    llama_expert_auto_plan p;
+    p.off   = false;
+    p.slots = n;
+    p.runtime = runtime_known ? b.baseline : 0;
+    p.keys  = { {"mode", "engine"}, {"policy", policy}, {"host", "file"}, {"ram", auto_mib(b.budget)} };
+    if (runtime_known) {
+        p.keys.emplace_back("runtime", auto_mib(b.baseline));
+    }
+    if (!reserve_given) {
+        p.keys.emplace_back("vram_reserve", auto_mib(compute + output));
+    }
+    p.policy_why = policy_why;
+    if (near_fit) {
+        return auto_off(auto_format("near the fit: the model file (%.1f MiB) fits in the %s, and %s, %s%s "
+            "(%.1f MiB) it does not, so it would need the file tier (%d of %d experts per layer in RAM: --moe-cache "
+            "%s), which needs --no-repack (-nr) and mmap: the model runs stock, from the page cache, which thrashes "
+            "when squeezed; `harness compare --ram %s` measures both", file_bytes/MiB, ram_facts.c_str(),
+            with_what.c_str(), reserve_facts.c_str(), runtime, stock_ram/MiB, n, m.n_expert, p.spec().c_str(),
+            auto_mib(usable).c_str()));
+    }
+    p.why   = auto_format("%s runs from the file tier: %d of %d experts per layer resident in RAM (ram= that less "
+        "a %d%% margin), the rest read from the model file; %s", what.c_str(), n, m.n_expert,
+        LLAMA_EXPERT_AUTO_MARGIN_PCT, policy_why.c_str());
+    p.unsure  = near_band && m.stock_fits < 0;
+    p.ballast = p.unsure ? auto_decode_exact(m) : 0;
+    return p;
+}
+
+// a GPU holds the MoE layers: the VRAM cache, with a RAM tier and the file where RAM does not hold the experts
+static llama_expert_auto_plan auto_decide_gpu(const llama_expert_auto_model & m, const auto_terms & t) {
+    const auto & [reserve_given, compute, output, reserve_facts, host_weights, host_context, host_reserve, fit_reserve,
+        held_known, host_file, stock_ram, with_what, runtime, known, room, fits_ram, ram_facts, policy, policy_why,
+        readers, usable] = t;
     if (!m.experts_host) {
         return auto_off("the routed experts are on the GPU with the rest of the model: stock is as fast");
     }
@@ -280,7 +305,7 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     // three tiers: the slots on the GPU, a RAM tier in what RAM holds, the rest read from the file
     const std::string what = auto_format("the model's host part (%.1f MiB with its context and runtime) is more than "
         "the %s, so it", stock_ram/MiB, ram_facts.c_str());
-    const std::string refusal = file_tier_refusal(what.c_str());
+    const std::string refusal = auto_file_tier_refusal(m, what.c_str());
     if (!refusal.empty()) {
         return auto_error(refusal);
     }
@@ -296,6 +321,24 @@ llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & 
     p.why = auto_format("%s runs from three tiers: %d of %d experts per layer on the GPU, %d in RAM, the rest read from "
         "the model file; %s", what.c_str(), n, m.n_expert, (int) n_ram, policy_why.c_str());
     return p;
+}
+
+llama_expert_auto_plan llama_expert_auto_decide(const llama_expert_auto_model & m, uint64_t usable,
+        const std::string & facts, uint64_t reserve, int32_t readers, const std::string & policy_in,
+        bool policy_given) {
+    const std::string policy = policy_in.empty() ? "quality" : policy_in;
+    const std::string policy_why = policy_in.empty() ? "policy quality (no tuned profile)" :
+        "policy " + policy + (policy_given ? " (given)" : " (the tuned profile's)");
+    if (m.n_expert <= 0 || m.k <= 0 || m.per_slot == 0) {
+        return auto_off("the model has no routed experts: the cache has nothing to hold");
+    }
+    if (!m.remote.empty()) {
+        return auto_off("MoE layers are on " + m.remote + ", a device reached over the network (ggml-rpc): the cache "
+            "serves local layers only, so the model runs stock");
+    }
+
+    const auto_terms t = auto_terms_of(m, usable, facts, reserve, readers, policy, policy_why);
+    return m.gpu ? auto_decide_gpu(m, t) : auto_decide_cpu(m, t);
 }
 
 bool llama_expert_auto_requested(const std::string & spec, std::string & rest) {

@@ -495,12 +495,11 @@ static bool spec_check_paths_differ(const llama_expert_cache_config & cfg, std::
     return true;
 }
 
-bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cache_config & cfg, std::string & err) {
-    cfg = llama_expert_cache_config();
-    cfg.spec = spec;
+using spec_kv = std::vector<std::pair<std::string, std::string>>;
 
+// the spec's items: "k=v,k=v" (and the mode shorthands) into key-value pairs, each key once
+static bool spec_split(const std::string & spec, spec_kv & kv, std::string & err) {
     // split "k=v,k=v"
-    std::vector<std::pair<std::string, std::string>> kv;
     size_t pos = 0;
     while (pos <= spec.size()) {
         size_t end = spec.find(',', pos);
@@ -542,48 +541,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         }
     }
 
-    if (kv.empty()) {
-        return true; // empty spec: off
-    }
+    return true;
+}
 
-    // defaults when a spec is given: emulate; the preset is applied before the explicit keys
-    cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE;
-    for (const auto & [key, val] : kv) {
-        if (key == "policy" && !spec_key_policy(val, cfg)) {
-            return bad_key_value(err, *spec_key_find(key), val);
-        }
-    }
-
-    bool explicit_rule = false;
-    bool explicit_tau  = false;
-    for (const auto & [key, val] : kv) {
-        const spec_key * k = spec_key_find(key);
-        if (!k) {
-            err = "unknown key '" + shown(key) + "' (accepted keys: " + spec_key_names() + ")";
-            return false;
-        }
-        if (key == "policy") {
-            continue;
-        }
-        if (!k->parse(val, cfg)) {
-            return bad_key_value(err, *k, val);
-        }
-        // the path keys (the table's "a file path" rows): a FIFO would block open()
-        if (k->accepted && std::strcmp(k->accepted, "a file path") == 0 && !llama_expert_path_check(key + "=", val, err)) {
-            return false;
-        }
-        if (key == "pack" && val != "auto" && val != "off" && !llama_expert_path_check(key + "=", val, err)) {
-            return false;
-        }
-        explicit_rule = explicit_rule || key == "rule";
-        explicit_tau  = explicit_tau  || key == "tau";
-    }
-    if (explicit_rule) {
-        cfg.preset = "custom";
-    }
-    if (cfg.rule == LLAMA_EXPERT_MISS_ZERO && !explicit_tau && cfg.preset != "drop-light") {
-        cfg.tau = 0.03f; // colibri DEGRADE_ZERO's default (policy=drop-light: its own 0.2)
-    }
+// the keys that belong to a rule, an eviction or a light-miss handling, against the rule the spec chose
+static bool spec_check_rule_keys(llama_expert_cache_config & cfg, const spec_kv & kv, std::string & err) {
     const llama_expert_miss_rule rule = cfg.rule;
     const llama_expert_rule &    row  = llama_expert_rule_of(rule);
     if (rule == LLAMA_EXPERT_MISS_BAND && !(cfg.band_lo < cfg.band_hi)) {
@@ -634,6 +596,11 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
             cfg.off_ignored += (cfg.off_ignored.empty() ? "" : ", ") + shown(key);
         }
     }
+    return true;
+}
+
+// the keys of the budget, the tiers, the reads, the prefetch and the output files, against each other and the mode
+static bool spec_check_tier_keys(const llama_expert_cache_config & cfg, const spec_kv & kv, std::string & err) {
     if (cfg.profile_every > 0 && cfg.profile_out.empty() && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
         err = "profile_every= writes the profile_out= file during the run: it needs profile_out=";
         return false;
@@ -691,6 +658,60 @@ bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cach
         return false;
     }
     return true;
+}
+
+bool llama_expert_cache_config_parse(const std::string & spec, llama_expert_cache_config & cfg, std::string & err) {
+    cfg = llama_expert_cache_config();
+    cfg.spec = spec;
+
+    spec_kv kv;
+    if (!spec_split(spec, kv, err)) {
+        return false;
+    }
+
+    if (kv.empty()) {
+        return true; // empty spec: off
+    }
+
+    // defaults when a spec is given: emulate; the preset is applied before the explicit keys
+    cfg.mode = LLAMA_EXPERT_CACHE_MODE_EMULATE;
+    for (const auto & [key, val] : kv) {
+        if (key == "policy" && !spec_key_policy(val, cfg)) {
+            return bad_key_value(err, *spec_key_find(key), val);
+        }
+    }
+
+    bool explicit_rule = false;
+    bool explicit_tau  = false;
+    for (const auto & [key, val] : kv) {
+        const spec_key * k = spec_key_find(key);
+        if (!k) {
+            err = "unknown key '" + shown(key) + "' (accepted keys: " + spec_key_names() + ")";
+            return false;
+        }
+        if (key == "policy") {
+            continue;
+        }
+        if (!k->parse(val, cfg)) {
+            return bad_key_value(err, *k, val);
+        }
+        // the path keys (the table's "a file path" rows): a FIFO would block open()
+        if (k->accepted && std::strcmp(k->accepted, "a file path") == 0 && !llama_expert_path_check(key + "=", val, err)) {
+            return false;
+        }
+        if (key == "pack" && val != "auto" && val != "off" && !llama_expert_path_check(key + "=", val, err)) {
+            return false;
+        }
+        explicit_rule = explicit_rule || key == "rule";
+        explicit_tau  = explicit_tau  || key == "tau";
+    }
+    if (explicit_rule) {
+        cfg.preset = "custom";
+    }
+    if (cfg.rule == LLAMA_EXPERT_MISS_ZERO && !explicit_tau && cfg.preset != "drop-light") {
+        cfg.tau = 0.03f; // colibri DEGRADE_ZERO's default (policy=drop-light: its own 0.2)
+    }
+    return spec_check_rule_keys(cfg, kv, err) && spec_check_tier_keys(cfg, kv, err);
 }
 
 bool llama_expert_cache_config_check_k(const llama_expert_cache_config & cfg, int32_t k, int32_t n_expert, std::string & err) {
@@ -763,47 +784,4 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     p.prefetch           = cfg.prefetch;
     p.prefetch_max       = cfg.prefetch_max;
     return p;
-}
-
-//
-// the statistics' "config" block, from LLAMA_EXPERT_CONFIG_FIELDS
-//
-
-std::string llama_expert_json_str(const std::string & s) {
-    std::string o = "\"";
-    for (char c : s) {
-        if (c == '"' || c == '\\') {
-            o += '\\'; o += c;
-        } else if ((unsigned char) c < 0x20) {
-            char buf[8];
-            snprintf(buf, sizeof(buf), "\\u%04x", c);
-            o += buf;
-        } else {
-            o += c;
-        }
-    }
-    return o + "\"";
-}
-
-static std::string config_value_STR(const std::string & v) { return llama_expert_json_str(v); }
-static std::string config_value_NAME(const char * v)       { return std::string("\"") + v + "\""; }
-static std::string config_value_BOOL(bool v)               { return v ? "true" : "false"; }
-static std::string config_value_INT(int32_t v)             { return std::to_string(v); }
-static std::string config_value_UINT(uint32_t v)           { return std::to_string(v); }
-static std::string config_value_FLOAT(float v) {
-    char buf[32];
-    snprintf(buf, sizeof(buf), "%.9g", v);
-    return buf;
-}
-
-std::string llama_expert_cache_config_json(const llama_expert_cache_config & cfg, int32_t n_expert, int32_t k,
-                                           int32_t n_slots, const char * indent) {
-    const llama_expert_params par = llama_expert_cache_config_params(cfg);
-    (void) par;
-    std::string s;
-#define LLAMA_EXPERT_CONFIG_FIELD_JSON(field, type, value) \
-    s += std::string(s.empty() ? "" : ",\n") + indent + "\"" #field "\": " + config_value_##type(value);
-    LLAMA_EXPERT_CONFIG_FIELDS(LLAMA_EXPERT_CONFIG_FIELD_JSON)
-#undef LLAMA_EXPERT_CONFIG_FIELD_JSON
-    return s + "\n";
 }
