@@ -9,8 +9,8 @@ For each model, limit and repetition, one process of each build in a fresh memor
 against MemAvailable less a margin; the model file's page cache dropped first), stock and auto alternated: the
 process is the sample. The process is llama-bench (`-p 0 -n --tokens -r 1`, decode t/s), or with --perplexity TEXT
 llama-perplexity (`-c --ctx -b --batch -ub --ubatch --chunks 1`, whose logits ask for a whole batch). Recorded per
-process: exit status, decode (or perplexity) t/s, the cgroup's peak and OOM kills, auto's plan line. Both builds run
-with `--repack 0` (the file tier needs plain experts) and --threads.
+process: exit status, decode t/s (perplexity: passes/s, a pass --ctx tokens), the cgroup's peak and OOM kills, auto's
+plan line. Both builds run with `--repack 0` (the file tier needs plain experts) and --threads.
 
 Writes --out/results.jsonl (one record per process, with the settings) and --out/report.md.
 
@@ -54,7 +54,8 @@ def _tool_cmd(tool: Path, model: Path, a: argparse.Namespace) -> list[str]:
 
 
 def _rate(out: str, err: str, perplexity: bool) -> float | None:
-    """Decode t/s of a llama-bench jsonl line, or llama-perplexity's tokens per second of its one chunk."""
+    """Decode t/s of a llama-bench jsonl line, or llama-perplexity's passes per second of its one chunk (a pass is
+    --ctx tokens: the ratio of the two builds is the same either way)."""
     if perplexity:
         for line in err.splitlines():  # "perplexity: 1.23 seconds per pass - ETA ..." is per chunk
             if "seconds per pass" in line:
