@@ -364,7 +364,8 @@ static void moe_sim_usage(const char * argv0) {
         argv0);
 }
 
-int main(int argc, char ** argv) {
+// the command line
+struct moe_sim_args {
     std::string trace_path;
     std::string spec = "policy=fetch-all";
     std::string stats_path;
@@ -373,7 +374,11 @@ int main(int argc, char ** argv) {
     int         n_threads = 0;
     bool        verify = false;
     bool        info   = false;
+};
 
+// the command line parsed: 0 to go on, else the exit status (--help: 0 with `done`)
+static int moe_sim_parse_args(int argc, char ** argv, moe_sim_args & args, bool & done) {
+    done = false;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&](const char * what) -> std::string {
@@ -384,13 +389,13 @@ int main(int argc, char ** argv) {
             return argv[++i];
         };
         if (a == "-t" || a == "--trace") {
-            trace_path = next("a file");
+            args.trace_path = next("a file");
         } else if (a == "-s" || a == "--spec") {
-            spec = next("a cache spec");
+            args.spec = next("a cache spec");
         } else if (a == "-m" || a == "--model") {
-            model_path = next("a file");
+            args.model_path = next("a file");
         } else if (a == "-o" || a == "--stats") {
-            stats_path = next("a file");
+            args.stats_path = next("a file");
         } else if (a == "--repeat") {
             const std::string v = next("a count");
             char * end = nullptr;
@@ -399,7 +404,7 @@ int main(int argc, char ** argv) {
                 std::fprintf(stderr, "llama-moe-sim: error: --repeat needs a count >= 1, not '%s'\n", v.c_str());
                 return 2;
             }
-            repeat = (int) n;
+            args.repeat = (int) n;
         } else if (a == "-j" || a == "--threads") {
             const std::string v = next("a count");
             char * end = nullptr;
@@ -408,80 +413,64 @@ int main(int argc, char ** argv) {
                 std::fprintf(stderr, "llama-moe-sim: error: --threads needs a count >= 1, not '%s'\n", v.c_str());
                 return 2;
             }
-            n_threads = (int) n;
+            args.n_threads = (int) n;
         } else if (a == "--verify") {
-            verify = true;
+            args.verify = true;
         } else if (a == "--info") {
-            info = true;
+            args.info = true;
         } else if (a == "-q" || a == "--quiet") {
             moe_sim_quiet = true;
         } else if (a == "-h" || a == "--help") {
             moe_sim_usage(argv[0]);
+            done = true;
             return 0;
         } else {
             std::fprintf(stderr, "llama-moe-sim: error: unknown argument '%s' (see --help)\n", a.c_str());
             return 2;
         }
     }
-    if (trace_path.empty()) {
-        moe_sim_usage(argv[0]);
-        return 2;
-    }
-    llama_log_set(moe_sim_log, nullptr);
+    return 0;
+}
 
-    moe_sim_trace tr;
+// --model: a trace of another model would replay another model's routing: refused before anything else
+static bool moe_sim_check_model(const moe_sim_trace & tr, const std::string & trace_path, const std::string & model_path) {
     std::string err;
-    if (!moe_sim_trace_read(trace_path, tr, err)) {
-        std::fprintf(stderr, "llama-moe-sim: error: %s\n", err.c_str());
-        return 1;
+    uint64_t fp = 0;
+    if (!llama_expert_fingerprint_of_file(model_path, fp, err)) {
+        std::fprintf(stderr, "llama-moe-sim: error: --model: %s\n", err.c_str());
+        return false;
     }
-    int32_t n_moe = 0;
-    for (uint64_t n : tr.layer_records) {
-        n_moe += n > 0;
+    if (tr.fingerprint == 0) {
+        std::fprintf(stderr, "llama-moe-sim: warning: the trace '%s' carries no fingerprint of the model it was "
+            "recorded on (an older trace): that it was recorded on '%s' is not checked\n", trace_path.c_str(),
+            model_path.c_str());
+    } else if (tr.fingerprint != fp) {
+        std::fprintf(stderr, "llama-moe-sim: error: the trace '%s' was recorded on another model than '%s' (model "
+            "fingerprint %016llx in the trace, %016llx of this model): pass the model the trace was recorded with\n",
+            trace_path.c_str(), model_path.c_str(), (unsigned long long) tr.fingerprint, (unsigned long long) fp);
+        return false;
     }
+    return true;
+}
 
-    if (!model_path.empty()) {
-        // a trace of another model would replay another model's routing: refused before anything else
-        uint64_t fp = 0;
-        if (!llama_expert_fingerprint_of_file(model_path, fp, err)) {
-            std::fprintf(stderr, "llama-moe-sim: error: --model: %s\n", err.c_str());
-            return 1;
+// --info: the trace's header and its records per layer
+static void moe_sim_print_info(const moe_sim_trace & tr, const std::string & trace_path, int32_t n_moe) {
+    std::printf("trace %s: version %u, n_layer %u, n_expert %u, k %u, top_m %u, record %u bytes, "
+                "recorded with %u slots, %zu records, %d MoE layers, model fingerprint %016llx\n",
+                trace_path.c_str(), tr.version, tr.n_layer, tr.n_expert, tr.k, tr.top_m, tr.record_size,
+                tr.n_slots, tr.n_records, n_moe, (unsigned long long) tr.fingerprint);
+    for (uint32_t il = 0; il < tr.n_layer; ++il) {
+        if (tr.layer_records[il] > 0) {
+            std::printf("layer %u: %llu tokens\n", il, (unsigned long long) tr.layer_records[il]);
         }
-        if (tr.fingerprint == 0) {
-            std::fprintf(stderr, "llama-moe-sim: warning: the trace '%s' carries no fingerprint of the model it was "
-                "recorded on (an older trace): that it was recorded on '%s' is not checked\n", trace_path.c_str(),
-                model_path.c_str());
-        } else if (tr.fingerprint != fp) {
-            std::fprintf(stderr, "llama-moe-sim: error: the trace '%s' was recorded on another model than '%s' (model "
-                "fingerprint %016llx in the trace, %016llx of this model): pass the model the trace was recorded with\n",
-                trace_path.c_str(), model_path.c_str(), (unsigned long long) tr.fingerprint, (unsigned long long) fp);
-            return 1;
-        }
     }
+}
 
-    if (info) {
-        std::printf("trace %s: version %u, n_layer %u, n_expert %u, k %u, top_m %u, record %u bytes, "
-                    "recorded with %u slots, %zu records, %d MoE layers, model fingerprint %016llx\n",
-                    trace_path.c_str(), tr.version, tr.n_layer, tr.n_expert, tr.k, tr.top_m, tr.record_size,
-                    tr.n_slots, tr.n_records, n_moe, (unsigned long long) tr.fingerprint);
-        for (uint32_t il = 0; il < tr.n_layer; ++il) {
-            if (tr.layer_records[il] > 0) {
-                std::printf("layer %u: %llu tokens\n", il, (unsigned long long) tr.layer_records[il]);
-            }
-        }
-        return 0;
-    }
-    if (n_moe == 0) {
-        std::fprintf(stderr, "llama-moe-sim: error: '%s' holds no records (no token was decided)\n", trace_path.c_str());
-        return 1;
-    }
-
-    if (n_threads == 0) {
-        n_threads = (int) std::max(1u, std::thread::hardware_concurrency());
-    }
-    n_threads = std::min(n_threads, n_moe);
-
-    llama_expert_cache_config cfg;
+// the spec as a replay runs it: parsed, checked against the trace, emulate, the statistics' path taken out (written
+// at the end, where a failure sets the exit code); 0, or the exit status
+static int moe_sim_config(const std::string & spec, const moe_sim_trace & tr, const std::string & trace_path,
+        std::string & stats_path, llama_expert_cache_config & cfg) {
+    std::string err;
     if (!llama_expert_cache_config_parse(spec, cfg, err)) {
         std::fprintf(stderr, "llama-moe-sim: error: --spec '%s': %s\n", spec.c_str(), err.c_str());
         return 2;
@@ -514,6 +503,58 @@ int main(int argc, char ** argv) {
     }
     stats_path = cfg.stats;
     cfg.stats.clear(); // written below, where a failure sets the exit code
+    return 0;
+}
+
+int main(int argc, char ** argv) {
+    moe_sim_args args;
+    bool done = false;
+    if (const int rc = moe_sim_parse_args(argc, argv, args, done); rc != 0 || done) {
+        return rc;
+    }
+    const std::string & trace_path = args.trace_path;
+    std::string &       stats_path = args.stats_path;
+    const int           repeat     = args.repeat;
+    int                 n_threads  = args.n_threads;
+    const bool          verify     = args.verify;
+    if (trace_path.empty()) {
+        moe_sim_usage(argv[0]);
+        return 2;
+    }
+    llama_log_set(moe_sim_log, nullptr);
+
+    moe_sim_trace tr;
+    std::string err;
+    if (!moe_sim_trace_read(trace_path, tr, err)) {
+        std::fprintf(stderr, "llama-moe-sim: error: %s\n", err.c_str());
+        return 1;
+    }
+    int32_t n_moe = 0;
+    for (uint64_t n : tr.layer_records) {
+        n_moe += n > 0;
+    }
+
+    if (!args.model_path.empty() && !moe_sim_check_model(tr, trace_path, args.model_path)) {
+        return 1;
+    }
+    if (args.info) {
+        moe_sim_print_info(tr, trace_path, n_moe);
+        return 0;
+    }
+    if (n_moe == 0) {
+        std::fprintf(stderr, "llama-moe-sim: error: '%s' holds no records (no token was decided)\n", trace_path.c_str());
+        return 1;
+    }
+
+    if (n_threads == 0) {
+        n_threads = (int) std::max(1u, std::thread::hardware_concurrency());
+    }
+    n_threads = std::min(n_threads, n_moe);
+
+    llama_expert_cache_config cfg;
+    if (const int rc = moe_sim_config(args.spec, tr, trace_path, stats_path, cfg); rc != 0) {
+        return rc;
+    }
 
     std::unique_ptr<llama_expert_cache_impl> cache;
     try {
