@@ -442,94 +442,118 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             continue;
         }
 
-        stats.misses++;
+        decide_miss(r, e, w, scores, k, out_ids, out_actions, out_scale, mass, drop_mass);
+    }
 
-        // the rule's verdict on the miss (the tier: whether it would be read from the model file)
-        const llama_expert_verdict v = llama_expert_rule_verdict(R, r, w[r], par.host_file && !in_ram(e), par);
-
-        if (v == LLAMA_EXPERT_VERDICT_DROP) {
-            stats.drops++;
-            drop_mass     += w[r];
-            out_ids[r]     = e;
-            out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
-            continue;
-        }
-
-        if (v == LLAMA_EXPERT_VERDICT_HOST) {
-            // a light miss computed on the host with the missed expert itself: exact, the residency is unchanged
-            stats.host_computes++;
-            out_ids[r]     = e;
-            out_actions[r] = LLAMA_EXPERT_ACTION_HOST;
-            if (par.admit) {
-                admit_acc[e] += w[r];
-                if (admit_acc[e] >= par.beta) {
-                    pending.push_back(e);
-                }
+    apply_scales(w, k, out_actions, out_scale);
+    if (in_group) {
+        // the experts this token computes with stay resident until the group ends
+        for (int32_t r = 0; r < k; ++r) {
+            if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP && out_actions[r] != LLAMA_EXPERT_ACTION_HOST) {
+                hold_mark[out_ids[r]] = group;
             }
-            continue;
         }
+    }
 
-        const bool want_fetch = v == LLAMA_EXPERT_VERDICT_FETCH;
-        int32_t sub = -1;
-        if (!want_fetch) {
-            sub = R.windowed ? find_route_substitute(scores, k) : find_substitute(scores, false);
-            // no resident expert available (cache-route: none within the router's top m): fetch
-        }
-        if (sub < 0) {
-            const int32_t slot = find_slot();
-            if (slot >= 0) {
-                place(e, slot);
-                ram_load(e);
-                stats.fetches++;
-                last_use[e]    = tick;
-                out_ids[r]     = e;
-                out_actions[r] = LLAMA_EXPERT_ACTION_FETCH;
-                continue;
-            }
-            // every slot is in use by this token (only possible when n_slots is close to k):
-            // substitute, reusing a substitute of this token if needed
-            sub = find_substitute(scores, false);
-            if (sub < 0) {
-                sub = find_substitute(scores, true);
-            }
-            stats.forced_substitutions++;
-        }
-        if (sub < 0) {
-            // only possible with n_slots < k, which the configuration refuses: drop
-            stats.drops++;
-            drop_mass     += w[r];
-            out_ids[r]     = e;
-            out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
-            continue;
-        }
-        // substitute: the resident expert computes with the missed expert's gate weight (cache-route: times alpha)
-        stats.substitutions++;
-        if (r == 0) {
-            stats.subst_first_choice++;
-        }
-        stats.max_subst_weight = std::max(stats.max_subst_weight, w[r]);
-        mass += w[r];
-        sub_mark[sub]  = tick;
-        last_use[sub]  = tick;
-        if (pf_unused[sub]) {
-            pf_unused[sub] = 0;
-            stats.prefetch_used++;
-        }
-        ram_touch(sub);
-        out_ids[r]     = sub;
-        out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
-        if (out_scale && R.windowed) {
-            out_scale[r] = par.route_alpha;
-        }
+    admit_pending();
+    count_token(mass, drop_mass);
+}
 
+// a miss of selection r (expert e): the rule's verdict, then a drop, a host compute, a fetch into a free slot or a
+// substitute (with its admission accumulator)
+void llama_expert_layer_policy::decide_miss(int32_t r, int32_t e, const float * w, const float * scores, int32_t k,
+        int32_t * out_ids, uint8_t * out_actions, float * out_scale, double & mass, double & drop_mass) {
+    const llama_expert_rule & R = *rule_row;
+    stats.misses++;
+
+    // the rule's verdict on the miss (the tier: whether it would be read from the model file)
+    const llama_expert_verdict v = llama_expert_rule_verdict(R, r, w[r], par.host_file && !in_ram(e), par);
+
+    if (v == LLAMA_EXPERT_VERDICT_DROP) {
+        stats.drops++;
+        drop_mass     += w[r];
+        out_ids[r]     = e;
+        out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
+        return;
+    }
+
+    if (v == LLAMA_EXPERT_VERDICT_HOST) {
+        // a light miss computed on the host with the missed expert itself: exact, the residency is unchanged
+        stats.host_computes++;
+        out_ids[r]     = e;
+        out_actions[r] = LLAMA_EXPERT_ACTION_HOST;
         if (par.admit) {
             admit_acc[e] += w[r];
             if (admit_acc[e] >= par.beta) {
                 pending.push_back(e);
             }
         }
+        return;
     }
 
+    const bool want_fetch = v == LLAMA_EXPERT_VERDICT_FETCH;
+    int32_t sub = -1;
+    if (!want_fetch) {
+        sub = R.windowed ? find_route_substitute(scores, k) : find_substitute(scores, false);
+        // no resident expert available (cache-route: none within the router's top m): fetch
+    }
+    if (sub < 0) {
+        const int32_t slot = find_slot();
+        if (slot >= 0) {
+            place(e, slot);
+            ram_load(e);
+            stats.fetches++;
+            last_use[e]    = tick;
+            out_ids[r]     = e;
+            out_actions[r] = LLAMA_EXPERT_ACTION_FETCH;
+            return;
+        }
+        // every slot is in use by this token (only possible when n_slots is close to k):
+        // substitute, reusing a substitute of this token if needed
+        sub = find_substitute(scores, false);
+        if (sub < 0) {
+            sub = find_substitute(scores, true);
+        }
+        stats.forced_substitutions++;
+    }
+    if (sub < 0) {
+        // only possible with n_slots < k, which the configuration refuses: drop
+        stats.drops++;
+        drop_mass     += w[r];
+        out_ids[r]     = e;
+        out_actions[r] = LLAMA_EXPERT_ACTION_DROP;
+        return;
+    }
+    // substitute: the resident expert computes with the missed expert's gate weight (cache-route: times alpha)
+    stats.substitutions++;
+    if (r == 0) {
+        stats.subst_first_choice++;
+    }
+    stats.max_subst_weight = std::max(stats.max_subst_weight, w[r]);
+    mass += w[r];
+    sub_mark[sub]  = tick;
+    last_use[sub]  = tick;
+    if (pf_unused[sub]) {
+        pf_unused[sub] = 0;
+        stats.prefetch_used++;
+    }
+    ram_touch(sub);
+    out_ids[r]     = sub;
+    out_actions[r] = LLAMA_EXPERT_ACTION_SUBSTITUTE;
+    if (out_scale && R.windowed) {
+        out_scale[r] = par.route_alpha;
+    }
+
+    if (par.admit) {
+        admit_acc[e] += w[r];
+        if (admit_acc[e] >= par.beta) {
+            pending.push_back(e);
+        }
+    }
+}
+
+// the gate weights the selections compute with: 0 for a drop or a skip, renorm=on's rescale of the kept ones
+void llama_expert_layer_policy::apply_scales(const float * w, int32_t k, const uint8_t * out_actions, float * out_scale) {
     // a drop or a skip computes with gate weight 0
     if (out_scale) {
         for (int32_t r = 0; r < k; ++r) {
@@ -557,17 +581,10 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
             }
         }
     }
+}
 
-    if (in_group) {
-        // the experts this token computes with stay resident until the group ends
-        for (int32_t r = 0; r < k; ++r) {
-            if (out_actions[r] != LLAMA_EXPERT_ACTION_DROP && out_actions[r] != LLAMA_EXPERT_ACTION_HOST) {
-                hold_mark[out_ids[r]] = group;
-            }
-        }
-    }
-
-    // background admission: the copy completes before the next token of this layer
+// background admission: the experts whose accumulated substituted mass reached beta, placed where a slot is free
+void llama_expert_layer_policy::admit_pending() {
     for (int32_t e : pending) {
         if (slot_by_expert[e] >= 0) {
             continue;
@@ -582,7 +599,10 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
         stats.admissions++;
     }
     pending.clear();
+}
 
+// the token-layer's statistics (substituted and dropped mass, its histogram) and LFU's aging
+void llama_expert_layer_policy::count_token(double mass, double drop_mass) {
     stats.token_layers++;
     if (mass > 0.0) {
         stats.token_layers_with_subst++;

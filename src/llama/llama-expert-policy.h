@@ -165,6 +165,12 @@ private:
     int32_t find_substitute(const float * scores, bool allow_reuse);
     int32_t find_route_substitute(const float * scores, int32_t k); // cache-route: within the top m, or -1
     void    place(int32_t e, int32_t slot);
+    // the parts of decide: one miss, the scales of drops and renorm, the admissions, the token's statistics
+    void    decide_miss(int32_t r, int32_t e, const float * w, const float * scores, int32_t k, int32_t * out_ids,
+                        uint8_t * out_actions, float * out_scale, double & mass, double & drop_mass);
+    void    apply_scales(const float * w, int32_t k, const uint8_t * out_actions, float * out_scale);
+    void    admit_pending();
+    void    count_token(double mass, double drop_mass);
 };
 
 // Prefill bypass (`bypass=N`): after a ubatch computed with stock routing, make the counts' n_slots most
