@@ -201,6 +201,56 @@ static void route_engine(llama_expert_cache_layer & L, ggml_tensor * dst, int32_
     }
 }
 
+// once a ubatch at the first MoE layer (the files' check, profile_every=), and at every layer the completion of the
+// background copies issued at its previous step
+static void route_step_begin(llama_expert_cache_layer & L, llama_expert_cache_impl & cache) {
+    if (cache.engine && L.il == cache.first_moe && !cache.engine->files.empty()) {
+        // host=file, once per ubatch: a model file changed in place is marked failed, and the cache's abort callback
+        // ends this compute (the loader's mapping of the other weights is the changed file too)
+        cache.engine->check_files();
+    }
+    if (L.il == cache.first_moe && cache.cfg.profile_every > 0 &&
+            L.route_tokens + L.bypass_tokens >= cache.profile_written_tokens + cache.cfg.profile_every) {
+        // profile_every=: what the run has learned so far, before this ubatch
+        cache.profile_written_tokens = L.route_tokens + L.bypass_tokens;
+        if (!llama_expert_write_replacing(cache.cfg.profile_out, [&](const std::string & p) { return cache.write_profile(p); })) {
+            LLAMA_LOG_WARN("expert cache: profile_every=%u: the profile could not be written to %s (%s)\n",
+                cache.cfg.profile_every, cache.cfg.profile_out.c_str(), strerror(errno));
+        }
+    }
+    if (cache.engine) {
+        // the background copies issued at this layer's previous step have completed (GPU: wait on their event)
+        cache.engine->complete(L.il, L.policy);
+    }
+}
+
+// prefill bypass: stock routing with the full expert tensors, then warm the residency
+static void route_bypass(llama_expert_cache_layer & L, llama_expert_cache_impl & cache, ggml_tensor * dst,
+        const ggml_tensor * ids, int64_t T, int32_t k, int32_t E) {
+    L.warm_counts.assign(E, 0);
+    L.gate_w.clear(); // not gated on the host
+    L.actions.assign((size_t) T * k, LLAMA_EXPERT_ACTION_HIT);
+    L.scales.assign((size_t) T * k, 1.0f);
+    for (int64_t t = 0; t < T; ++t) {
+        const int32_t * id  = (const int32_t *) ((const char *) ids->data + t*ids->nb[1]);
+        int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
+        for (int32_t r = 0; r < k; ++r) {
+            GGML_ASSERT(id[r] >= 0 && id[r] < E);
+            out[r] = id[r];
+            L.warm_counts[id[r]]++;
+        }
+    }
+    if (cache.engine) {
+        cache.engine->settle_prefetch(L.il, L.policy); // (before the residency changes)
+    }
+    llama_expert_policy_warm(L.policy, L.warm_counts);
+    if (cache.engine) {
+        cache.engine->sync(L.il, L.policy);
+    }
+    L.pred_tokens = -1; // no prefetch for a bypassed ubatch
+    L.bypass_tokens += (uint64_t) T;
+}
+
 static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -225,49 +275,10 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     const bool banked = cache.banked(dst);
 
-    if (cache.engine && L.il == cache.first_moe && !cache.engine->files.empty()) {
-        // host=file, once per ubatch: a model file changed in place is marked failed, and the cache's abort callback
-        // ends this compute (the loader's mapping of the other weights is the changed file too)
-        cache.engine->check_files();
-    }
-    if (L.il == cache.first_moe && cache.cfg.profile_every > 0 &&
-            L.route_tokens + L.bypass_tokens >= cache.profile_written_tokens + cache.cfg.profile_every) {
-        // profile_every=: what the run has learned so far, before this ubatch
-        cache.profile_written_tokens = L.route_tokens + L.bypass_tokens;
-        if (!llama_expert_write_replacing(cache.cfg.profile_out, [&](const std::string & p) { return cache.write_profile(p); })) {
-            LLAMA_LOG_WARN("expert cache: profile_every=%u: the profile could not be written to %s (%s)\n",
-                cache.cfg.profile_every, cache.cfg.profile_out.c_str(), strerror(errno));
-        }
-    }
-    if (cache.engine) {
-        // the background copies issued at this layer's previous step have completed (GPU: wait on their event)
-        cache.engine->complete(L.il, L.policy);
-    }
+    route_step_begin(L, cache);
 
     if (cache.cfg.bypass > 0 && T >= (int64_t) cache.cfg.bypass) {
-        // prefill bypass: stock routing with the full expert tensors, then warm the residency
-        L.warm_counts.assign(E, 0);
-        L.gate_w.clear(); // not gated on the host
-        L.actions.assign((size_t) T * k, LLAMA_EXPERT_ACTION_HIT);
-        L.scales.assign((size_t) T * k, 1.0f);
-        for (int64_t t = 0; t < T; ++t) {
-            const int32_t * id  = (const int32_t *) ((const char *) ids->data + t*ids->nb[1]);
-            int32_t       * out = (int32_t *) ((char *) dst->data + t*dst->nb[1]);
-            for (int32_t r = 0; r < k; ++r) {
-                GGML_ASSERT(id[r] >= 0 && id[r] < E);
-                out[r] = id[r];
-                L.warm_counts[id[r]]++;
-            }
-        }
-        if (cache.engine) {
-            cache.engine->settle_prefetch(L.il, L.policy); // (before the residency changes)
-        }
-        llama_expert_policy_warm(L.policy, L.warm_counts);
-        if (cache.engine) {
-            cache.engine->sync(L.il, L.policy);
-        }
-        L.pred_tokens = -1; // no prefetch for a bypassed ubatch
-        L.bypass_tokens += (uint64_t) T;
+        route_bypass(L, cache, dst, ids, T, k, E);
         L.route_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
         return;
     }
