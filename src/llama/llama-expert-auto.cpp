@@ -310,7 +310,11 @@ static llama_expert_auto_plan auto_decide_gpu(const llama_expert_auto_model & m,
         return auto_error(refusal);
     }
     const uint64_t readers_b = readers > 0 ? (uint64_t) (readers + 1) * (m.max_slice + 2*4096) : 0;
-    const uint64_t own = host_weights + host_context + host_reserve + readers_b + LLAMA_EXPERT_RUNTIME_BASELINE;
+    // the runtime: what the process holds less its host context, plus growth, where known (a GPU's runtime holds more
+    // host memory than a CPU build's: it is counted as held, not as the fixed 48 MiB)
+    const uint64_t runtime_b = held_known && m.mapped ? llama_expert_runtime_baseline(m.held, host_context) :
+                                                         LLAMA_EXPERT_RUNTIME_BASELINE;
+    const uint64_t own = host_weights + host_context + host_reserve + readers_b + runtime_b;
     const int64_t n_ram = room > own ? (int64_t) std::min<uint64_t>((room - own) / m.per_slot, (uint64_t) m.n_expert) : 0;
     if (n_ram < m.k) {
         return auto_error(auto_format("auto: %s needs three tiers, and RAM has room for fewer than the %d experts per "

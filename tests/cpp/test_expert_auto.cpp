@@ -122,6 +122,12 @@ static void test_gpu_plans() {
     // RAM room: 12 GiB less 10% = 11059.2 MiB, less 48 MiB baseline and 5 reader buffers: 83 experts of 132 MiB
     CHECK(has(p.spec(), "ram_slots=83") && has(p.why, "three tiers: 23 of 128 experts per layer on the GPU, 83 in RAM"));
     CHECK(parses(p.spec()));
+    // what the process holds known (600 MiB: a GPU runtime's host memory), counted in place of the 48 MiB, with 8 MiB
+    // of growth: (11059.2 - 5.04 - 608) / 132 = 79.1 -> 79
+    llama_expert_auto_model h = m;
+    h.held = 600*MiB;
+    p = llama_expert_auto_decide(h, 12*GiB, "x", RESERVE, 4, "");
+    CHECK(has(p.spec(), "ram_slots=79") && parses(p.spec()));
     // a GPU too small for k slots: off, saying the cache cannot help
     m.dev_free = 0;
     m.dev_weights = 2000*MiB;
