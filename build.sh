@@ -241,6 +241,16 @@ if [ "$backend" = vulkan ]; then
     [ -d /usr/include/spirv ] || [ -n "${VULKAN_SDK:-}" ] || missing+=(spirv-headers)
     [ ${#missing[@]} = 0 ] || die "--vulkan: missing ${missing[*]} (apt-get install ${missing[*]}; mesa-vulkan-drivers for a device on the CPU)"
     cmake_common+=(-DGGML_VULKAN=ON)
+    # glslc through a cache of its outputs (scripts/glslc_cache.cpp, compiled here): the two trees compile the same
+    # shaders, and the second tree's are copies (ccache cannot cache glslc); MOE_SUBST_GLSLC_CACHE=off runs glslc as is
+    export MOE_SUBST_GLSLC="${MOE_SUBST_GLSLC:-$(command -v glslc)}"
+    mkdir -p "$root/vendor/build-tools"
+    cxx=$(command -v c++ || command -v g++ || command -v clang++)
+    if [ ! -x "$root/vendor/build-tools/glslc-cache" ] || [ "$root/scripts/glslc_cache.cpp" -nt "$root/vendor/build-tools/glslc-cache" ]; then
+        "$cxx" -std=c++17 -O2 "$root/scripts/glslc_cache.cpp" -o "$root/vendor/build-tools/glslc-cache" \
+            || die "--vulkan: cannot compile scripts/glslc_cache.cpp"
+    fi
+    cmake_common+=(-DVulkan_GLSLC_EXECUTABLE="$root/vendor/build-tools/glslc-cache")
 fi
 if [ "$backend" = cuda ]; then
     command -v nvcc >/dev/null || die "--cuda: nvcc not found (install the CUDA toolkit)"
