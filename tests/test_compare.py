@@ -16,7 +16,7 @@ from harness.core.records import Provenance, ResultsFile
 from harness.core.sizes import Size
 from harness.domain.catalogue import policy_cache_spec
 from harness.domain.options import CompareOptions
-from harness.orchestration.compare import compare, default_model, resolve_text, run_compare
+from harness.orchestration.compare import DEFAULT_MODEL_NAME, compare, default_model, resolve_text, run_compare
 from harness.orchestration.executor import Environment
 from harness.orchestration.planner import plan_compare, plan_runs
 from harness.orchestration.summary import verify_budget
@@ -344,8 +344,8 @@ def test_default_model_and_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     (tmp_path / "models" / "other.gguf").write_bytes(b"GGUF")
     with pytest.raises(HarnessError, match="several models"):
         default_model(tmp_path)
-    (tmp_path / "models" / "tinymoe-f16.gguf").write_bytes(b"GGUF")  # several, the default among them
-    assert default_model(tmp_path) == tmp_path / "models" / "tinymoe-f16.gguf"
+    (tmp_path / "models" / DEFAULT_MODEL_NAME).write_bytes(b"GGUF")  # several, the default among them
+    assert default_model(tmp_path) == tmp_path / "models" / DEFAULT_MODEL_NAME
     (tmp_path / "eval" / "data").mkdir(parents=True)
     (tmp_path / "eval" / "data" / "heldout.txt").write_text("held out")
     assert resolve_text(None, None, tmp_path) == tmp_path / "eval" / "data" / "heldout.txt"
