@@ -520,3 +520,35 @@ def test_full_scale_prefetch_rows_end_to_end(stock_build: Any, patched_build: An
             if line.startswith("| fetch-all | ") and "fetch-all,prefetch=on" in line]
     assert len(rows) == 1 and any(w in rows[0] for w in ("pays", "loses", "not distinguishable")), table
     assert "prefetches/token" in rows[0]
+
+
+@pytest.mark.build
+def test_the_issue_11_benchmark_end_to_end(stock_build: Any, patched_build: Any, tmp_path: Path) -> None:
+    """scripts/bench_tiers.py without --full-scale on a tiny generated model (seconds; not a measurement): every row
+    decoded and prefilled inside its memory cgroup, the cost model's estimates beside the measurements, one record."""
+    from harness.tools.cgroup import CgroupError, MemoryCgroup
+    from harness.tools.synth import SynthSpec, write_synth_model
+
+    try:
+        MemoryCgroup(64 << 20, "moe-subst-probe").close()
+    except CgroupError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    model = write_synth_model(SynthSpec(n_layer=2, n_expert=16, n_expert_used=4, n_embd=64, n_ff_exp=64, n_head=4,
+                                        n_head_kv=1, dtype="q4_0"), tmp_path / "m.gguf")
+    out = tmp_path / "bt" / "x.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--model", str(model), "--ram",
+                          "400M", "--slots", "50%", "--rounds", "2", "--tokens", "4", "--prompt", "32",
+                          "--prompt-rounds", "1", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert list(doc["runs"]) == ["stock (mmap)", "engine fetch-all 50% host=file", "engine quality 50% host=file",
+                                 "engine speed 50% host=file"]
+    for name, run in doc["runs"].items():
+        assert len(run["samples_ts"]) == 2 and run["mean"] > 0, name  # one sample a round
+    assert all(r["stats"]["total"]["tokens"] > 0 for n, r in doc["runs"].items() if n != "stock (mmap)")
+    assert len(doc["prefill"]) == 4 and len(doc["disk_samples_MBps"]) == 2
+    assert set(doc["simulate"]) == {"fetch-all", "quality", "speed"}
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tiers.py"), "--model", str(model), "--ram",
+                          "1T"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and bad.stderr.startswith("bench_tiers: ") and "Traceback" not in bad.stderr

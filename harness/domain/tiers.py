@@ -471,3 +471,11 @@ def prefetch_verdict(policy: str, prefetch: str, off: Sequence[float], on: Seque
         verdict = f"not distinguishable: {ci} (the CI contains 1)"
     return PrefetchVerdict(policy, prefetch, float(np.mean(off)), float(np.mean(on)), (rc.ratio, rc.low, rc.high),
                            verdict)
+
+
+def file_tier_spec(policy: str, slots: str, pack: str = "off") -> str:
+    """The engine's spec on the file tier for a policy item of the benchmark: a preset name, optionally with more
+    keys ("quality,tau_file=0.3"). pack: off (three reads per expert, whatever lies next to the model) or the expert
+    pack's path (one read)."""
+    name, _, more = policy.partition(",")
+    return f"mode=engine,policy={name},slots={slots},host=file,pack={pack}" + (f",{more}" if more else "")
