@@ -7,7 +7,8 @@ import each other in a circle (tests/test_layers.py checks both):
   options that several commands share.
 - `orchestration`: the commands: compare (its `planner`, run `executor`, `serialise`r of records and options,
   `summary` statistics), sweep, frontier, topics, study, check, simulate, doctor, bpb, `pack` (the expert pack's
-  writer and its full check), and `rerender` (`harness report`).
+  writer and its full check), `rerender` (`harness report`), and the tiers benchmark behind scripts/bench_tiers.py
+  (`tiers_bench`, `tiers_full`).
   They run tools, summarise and write report.md through the report layer.
 - `report`: renderers, pure functions of results: terminal tables, markdown, simulate's tables, plots.
 - `domain`: what the layers hand each other: the policy `catalogue`, the perplexity `settings`, options,
