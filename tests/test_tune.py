@@ -226,6 +226,35 @@ def test_within_the_measurement_error_the_lower_loss_is_chosen() -> None:
     assert got == t2
 
 
+def test_within_the_error_the_lower_measured_loss_wins_over_the_lower_gate_weight() -> None:
+    """Issue 37: the zero rule lost less gate weight than the threshold rule and cost more (+0.49% against +0.25%):
+    with measured losses, the measured one decides, and every rung within the error is checked."""
+    g = TuneGrid(taus=(0.1,), zero_taus=(0.1,), first_choice=False)
+    t = chain_rungs(g, "substitute")[1]
+    z = chain_rungs(g, "drop")[1]
+    deltas = {t: 0.25, z: 0.49}
+    asked: list[str] = []
+
+    def ok(r: Rung) -> bool:
+        asked.append(r.name)
+        return True
+
+    pts = {t: replace(_point(t, 10.0, lost=0.2), est_span=(9.0, 11.0)),
+           z: replace(_point(z, 9.95, lost=0.1), est_span=(8.9, 11.0))}
+    bounds = {"substitute": 1, "drop": 1}
+    # by gate weight (no measured loss given): z is the fastest and loses the least weight: z
+    assert pick_fastest(pts, bounds, g, ok).candidate.rung == z
+    # by the measured loss: t, checked although it loses more gate weight
+    asked.clear()
+    assert pick_fastest(pts, bounds, g, ok, deltas.get).candidate.rung == t
+    assert sorted(asked) == ["threshold tau=0.1", "zero tau=0.1"]
+    # the measured loss the other way round: z stays
+    assert pick_fastest(pts, bounds, g, ok, {t: 0.6, z: 0.49}.get).candidate.rung == z
+    # spans apart: the fastest, whatever it costs within the bound
+    far = {**pts, t: replace(pts[t], est_ms=14.0, est_span=(13.5, 14.5))}
+    assert pick_fastest(far, bounds, g, ok, deltas.get).candidate.rung == z
+
+
 # ---- the machine ------------------------------------------------------------------------------------------------
 
 FACTS = MachineFacts(cpus=2, mem_total=24 << 30, mem_available=16 << 30, gpus=(), disk_path="/m.gguf",

@@ -379,12 +379,17 @@ def bisect_chain(rungs: Sequence[Rung], passes: Callable[[Rung], bool]) -> int:
 
 
 def pick_fastest(best: Mapping[Rung, SimPoint], boundaries: Mapping[str, int], grid: TuneGrid,
-                 passes: Callable[[Rung], bool]) -> SimPoint:
+                 passes: Callable[[Rung], bool], loss: Callable[[Rung], float | None] | None = None) -> SimPoint:
     """The fastest estimate among the rungs at or below each chain's boundary, confirmed by `passes` (a rung that
     fails, against the chain's order, is dropped and the next fastest tried); fetch-all, exact, when none is left.
-    Then, of the rungs within the measurement error of that one (`within_error`) that lose less gate weight (the
-    quality loss the simulator counts for every rung; fetch-all loses none), the one that loses the least and passes:
-    a speed the measurement cannot tell apart is not worth the loss."""
+    Then, of the rungs within the measurement error of that one (`within_error`), the one that loses the least and
+    passes: a speed the measurement cannot tell apart is not worth the loss.
+
+    The loss: with `loss` (a rung's measured delta-PPL% once `passes` has run it; fetch-all's is 0), the measured
+    one, so that rules that lose gate weight differently are compared by what they cost (issue 37: the zero rule lost
+    less gate weight than the threshold rule and cost +0.49% against +0.25%); every rung within the error is then
+    checked. Without it, the gate weight the simulator counts (`lost_mass`), and only rungs losing less than the
+    fastest are checked."""
     pool: list[SimPoint] = []
     for chain, b in boundaries.items():
         pool += [best[r] for r in chain_rungs(grid, chain)[: b + 1] if r in best]
@@ -392,12 +397,28 @@ def pick_fastest(best: Mapping[Rung, SimPoint], boundaries: Mapping[str, int], g
     fastest = next((p for p in pool if p.candidate.rung.exact or passes(p.candidate.rung)), None)
     if fastest is None:
         raise HarnessError("tune: no candidate left, not even fetch-all (was it simulated?)")
-    for p in sorted(pool, key=lambda p: (p.lost_mass, p.est_ms, p.candidate.rung.level, p.candidate.name)):
-        if p.lost_mass >= fastest.lost_mass:
-            break
-        if within_error(p, fastest) and (p.candidate.rung.exact or passes(p.candidate.rung)):
-            return p
-    return fastest
+    by_mass = sorted(pool, key=lambda p: (p.lost_mass, p.est_ms, p.candidate.rung.level, p.candidate.name))
+    if loss is None:
+        for p in by_mass:
+            if p.lost_mass >= fastest.lost_mass:
+                break
+            if within_error(p, fastest) and (p.candidate.rung.exact or passes(p.candidate.rung)):
+                return p
+        return fastest
+
+    def measured(p: SimPoint) -> float | None:
+        return 0.0 if p.candidate.rung.exact else loss(p.candidate.rung)
+
+    chosen, chosen_loss = fastest, measured(fastest)
+    for p in by_mass:
+        if p is fastest or not within_error(p, fastest):
+            continue
+        if not (p.candidate.rung.exact or passes(p.candidate.rung)):
+            continue
+        lp = measured(p)
+        if lp is not None and (chosen_loss is None or lp < chosen_loss):
+            chosen, chosen_loss = p, lp
+    return chosen
 
 
 def within_bound_points(points: Sequence[SimPoint], fraction: float, boundaries: Mapping[str, int], grid: TuneGrid,

@@ -433,7 +433,11 @@ def _search_residency(opts: TuneOptions, runs: _Runs, info: ModelInfo, host: str
         rungs = [r for r in chain_rungs(opts.grid, chain) if r in best]
         if len(rungs) > 1:
             boundaries[chain] = bisect_chain(rungs, passes)
-    chosen = pick_fastest(best, boundaries, opts.grid, passes)
+    def measured(rung: Rung) -> float | None:
+        row = checked.get(rung)
+        return row.delta.delta_pct if row is not None and row.delta is not None else None
+
+    chosen = pick_fastest(best, boundaries, opts.grid, passes, measured)
     failed = {rung for rung, row in checked.items() if not row.passes}
     out.pools[f] = [p for p in within_bound_points(points, f, boundaries, opts.grid, failed)
                     if p.candidate.name != chosen.candidate.name]
