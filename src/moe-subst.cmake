@@ -37,6 +37,7 @@ set(MOE_SUBST_LLAMA_SOURCES
     ${MOE_SUBST_SRC}/llama/llama-expert-engine.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-cache.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-route.cpp
+    ${MOE_SUBST_SRC}/llama/llama-expert-shadow.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-trace.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-replay.cpp
     ${MOE_SUBST_SRC}/llama/llama-expert-fingerprint.cpp

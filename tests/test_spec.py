@@ -76,6 +76,13 @@ CASES = [
     ("policy=quality,profile_every=256",
      "error: profile_every= writes the profile_out= file during the run: it needs profile_out="),
     ("policy=quality,profile_out=p.txt,profile_every=-1", "error: bad value '-1' for key 'profile_every'"),
+    # the shadow estimate (issue 37): emulate mode only
+    ("policy=quality,shadow=32", "ok"),
+    ("policy=quality,shadow=0", "ok"),
+    ("mode=engine,policy=quality,shadow=32",
+     "error: shadow= computes a ubatch exactly with the full expert tensors, which mode=engine's banks replace"),
+    ("mode=engine,policy=quality,shadow=0", "ok"),
+    ("policy=quality,shadow=-1", "error: bad value '-1' for key 'shadow'"),
     ("mode=engine,host=file,policy=quality,tau_file=1.5", "error: bad value '1.5' for key 'tau_file'"),
     # the anchors' policies (issue 13): values and ranges
     ("rule=cache-route", "ok"),

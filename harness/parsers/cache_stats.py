@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from harness.parsers.base import ParseError
@@ -31,6 +31,45 @@ _RATES = ("substitution_rate", "substituted_mass", "fetches_per_token", "hit_rat
 _COUNTS = ("calls", "substitutions", "subst_first_choice", "fetches", "admissions", "tokens", "host_computes")
 
 
+_SHADOW_FIELDS = ("every", "ubatches", "rows", "pairs", "kl", "kl_low", "kl_high", "dnll", "dnll_low", "dnll_high",
+                  "dppl_pct", "dppl_pct_low", "dppl_pct_high", "shadow_ms")
+
+
+@dataclass(frozen=True)
+class ShadowEstimate:
+    """The cache's measured cost (`shadow=N`, docs/expert-cache.md "The shadow estimate"): every N ubatches one was
+    computed exactly too; KL(exact || served) per output row and the NLL difference on the actual next token, each a
+    mean over the shadowed ubatches with a 95% t interval; `dppl_pct` = 100 (exp(dnll) - 1) and its interval."""
+
+    every: int
+    ubatches: int
+    rows: int
+    pairs: int
+    kl: float
+    kl_low: float
+    kl_high: float
+    dnll: float
+    dnll_low: float
+    dnll_high: float
+    dppl_pct: float
+    dppl_pct_low: float
+    dppl_pct_high: float
+    shadow_ms: float
+
+    @staticmethod
+    def parse(obj: Any, text: str) -> ShadowEstimate:
+        if not isinstance(obj, dict):
+            raise ParseError(f"the cache statistics' shadow is {obj!r}", text, source="the expert cache")
+        vals: dict[str, Any] = {}
+        for k in _SHADOW_FIELDS:
+            v = obj.get(k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ParseError(f"the cache statistic shadow.{k} is {v!r}", text, source="the expert cache")
+            vals[k] = v
+        return ShadowEstimate(**{k: (int(vals[k]) if k in ("every", "ubatches", "rows", "pairs") else float(vals[k]))
+                                 for k in _SHADOW_FIELDS})
+
+
 @dataclass(frozen=True)
 class CacheStats:
     substitution_rate: float | None  # substituted expert calls / all expert calls
@@ -46,15 +85,21 @@ class CacheStats:
     tokens: int | None = None
     policy: str = ""  # the preset name, or "custom"
     host_computes: int | None = None  # misses computed on the host (light=host)
+    shadow: ShadowEstimate | None = None  # shadow=N: the measured cost; None without it
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (*_RATES, *_COUNTS, "policy")}
+        d = {k: getattr(self, k) for k in (*_RATES, *_COUNTS, "policy")}
+        if self.shadow is not None:
+            d["shadow"] = asdict(self.shadow)
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> CacheStats:
         """The inverse of `as_dict` (for records read back from results.jsonl)."""
+        shadow = ShadowEstimate(**d["shadow"]) if isinstance(d.get("shadow"), dict) else None
         return CacheStats(d.get("substitution_rate"), d.get("substituted_mass"), d.get("fetches_per_token"), "",
-                          **{k: d.get(k) for k in ("hit_rate", *_COUNTS)}, policy=str(d.get("policy", "")))
+                          **{k: d.get(k) for k in ("hit_rate", *_COUNTS)}, policy=str(d.get("policy", "")),
+                          shadow=shadow)
 
     def host_computes_per_token(self) -> float:
         """Misses computed on the host per token (0 for records of builds without the counter)."""
@@ -95,5 +140,6 @@ def parse_cache_stats(text: str) -> CacheStats:
                              "(a build older or newer than this harness?)", text, source="the expert cache")
     config = doc.get("config")
     policy = str(config.get("policy", "")) if isinstance(config, dict) else ""
+    shadow = ShadowEstimate.parse(doc["shadow"], text) if "shadow" in doc else None
     return CacheStats(rates["substitution_rate"], rates["substituted_mass"], rates["fetches_per_token"], text,
-                      rates["hit_rate"], policy=policy, **counts)
+                      rates["hit_rate"], policy=policy, shadow=shadow, **counts)

@@ -94,6 +94,23 @@ int32_t llama_expert_cache_metrics(const llama_context * ctx, char * buf, size_t
 #undef LLAMA_EXPERT_COUNTER_METRIC
     metric_row(s, "gauge", "moe_cache_slots", "Expert cache: resident experts per MoE layer", (uint64_t) c.n_slots, false);
     metric_row(s, "gauge", "moe_cache_bank_bytes", "Expert cache engine: bytes of the cache banks", c.bank_bytes, false);
+    const auto & shadow = ctx->get_moe_cache()->impl->shadow;
+    if (shadow) {
+        // the cache's measured cost (shadow=): the estimate and its 95% interval
+        const llama_expert_shadow_summary sh = shadow->summary();
+        metric_row(s, "counter", "moe_cache_shadow_ubatches_total", "Expert cache shadow estimate: ubatches computed "
+            "twice (exactly, then served)", sh.ubatches, false);
+        const struct { const char * name; const char * help; double v; } gauges[] = {
+            { "moe_cache_shadow_dppl_pct", "Expert cache shadow estimate: delta-PPL% of the served run", sh.dppl_pct },
+            { "moe_cache_shadow_dppl_pct_low", "Expert cache shadow estimate: its 95% CI, lower end", sh.dppl_pct_low },
+            { "moe_cache_shadow_dppl_pct_high", "Expert cache shadow estimate: its 95% CI, upper end", sh.dppl_pct_high },
+            { "moe_cache_shadow_kl_nats", "Expert cache shadow estimate: KL(exact || served) per token, nats", sh.kl.mean },
+        };
+        for (const auto & g : gauges) {
+            text_printf(s, "# HELP llamacpp:%s %s\n# TYPE llamacpp:%s gauge\nllamacpp:%s %.9g\n", g.name, g.help,
+                g.name, g.name, g.v);
+        }
+    }
     return text_out(s, buf, size);
 }
 

@@ -13,6 +13,7 @@
 #include "llama-expert-engine.h"
 #include "llama-expert-policy.h"
 #include "llama-expert-replay.h"
+#include "llama-expert-shadow.h"
 #include "llama-cparams.h"
 #include "llama-ext.h"
 #include "llama-hparams.h"
@@ -225,6 +226,8 @@ struct llama_expert_cache_impl {
     std::string arch; // the model's architecture, for error messages
     std::unique_ptr<llama_expert_replay> replay; // LLAMA_MOE_CACHE_TEST_REPLAY (tests, benchmarks): routing from a trace
     bool    test_gating = false; // LLAMA_MOE_CACHE_TEST_GATING: compare the route step's gate weights with the graph's
+    std::unique_ptr<llama_expert_shadow> shadow; // shadow=: the measured cost (llama-expert-shadow.h); null when off
+    bool shadow_active() const { return shadow && shadow->active; } // the exact pass: route steps pass through
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers;
     int32_t first_moe = -1; // the first MoE layer, whose route step checks the model files once per ubatch (host=file)

@@ -55,6 +55,11 @@ void llama_expert_cache::build_moe_ffn_route(const llm_graph_context & g, int il
     impl->build_moe_ffn_route(g, il, logits, exp_probs_b, gating, norm_w, selected, weights, expert_tensors);
 }
 
+ggml_status llama_expert_cache::compute_ubatch(const llama_ubatch & ubatch, ggml_tensor * t_logits,
+        ggml_backend_sched_t sched, const std::function<ggml_status(bool again)> & compute) {
+    return impl->shadow ? impl->shadow->compute_ubatch(ubatch, t_logits, sched, compute) : compute(false);
+}
+
 void llama_expert_cache::memory_breakdown_add(llama_memory_breakdown & ret) const {
     impl->memory_breakdown_add(ret);
 }
@@ -427,6 +432,20 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
     }
 
     init_end(n_moe);
+    if (cfg.shadow > 0) {
+        if (llama_model_is_recurrent(&model) || llama_model_is_hybrid(&model)) {
+            // the exact pass would advance the recurrent state that the served pass then reads
+            throw std::runtime_error(prefix + "shadow= computes a ubatch twice, which a recurrent state (" + arch +
+                ") cannot take: remove shadow=");
+        }
+        if (replay) {
+            throw std::runtime_error(prefix + "shadow= compares with the model's own routing, which " +
+                LLAMA_EXPERT_REPLAY_ENV + " replaces: remove shadow=");
+        }
+        shadow = std::make_unique<llama_expert_shadow>(cfg.shadow);
+        LLAMA_LOG_INFO("llama_expert_cache: shadow estimate: every %u ubatches, one is also computed exactly and the "
+            "two next-token distributions compared\n", cfg.shadow);
+    }
     if (!dry_run && (!cfg.stats.empty() || !cfg.profile_out.empty())) {
         // a process that never reaches its end (a llama-server that hangs on SIGTERM under load) still gets them
         llama_expert_writer_add(this);
@@ -602,6 +621,9 @@ void llama_expert_cache_impl::reset() {
                 engine->settle_prefetch(L->il, L->policy);
             }
         }
+    }
+    if (shadow) {
+        shadow->reset();
     }
     for (auto & L : layers) {
         L->policy.reset();

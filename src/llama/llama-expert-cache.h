@@ -2,7 +2,7 @@
 
 // The MoE expert cache (moe-subst): the hooks that upstream llama.cpp calls. This is the only header of ours that the
 // patches include (patches/0004: src/llama-context.cpp and src/llama-graph.cpp; 0011: src/llama.cpp): an opaque
-// handle and six hooks, each named with its call site. The cache itself (its configuration, policy, engine, copier threads and mutexes) is
+// handle and seven hooks, each named with its call site. The cache itself (its configuration, policy, engine, copier threads and mutexes) is
 // behind the handle, in llama-expert-cache-impl.h, which upstream objects never see.
 //
 // To add a hook: a method here that forwards to the cache, its call site in a patch (scripts/patches.sh), a line in
@@ -12,11 +12,16 @@
 #include "llama-ext.h"     // llama_memory_breakdown
 #include "llama-hparams.h" // llama_expert_gating_func_type
 
+#include "ggml-backend.h"   // ggml_status, ggml_backend_sched_t
+
+#include <functional>
+
 #include <initializer_list>
 #include <memory>
 
 struct ggml_tensor;
 struct llama_memory_i;
+struct llama_ubatch;
 struct llama_model;
 struct llm_graph_context;
 struct llama_expert_cache_impl;
@@ -46,6 +51,14 @@ struct llama_expert_cache {
     void build_moe_ffn_route(const llm_graph_context & g, int il, ggml_tensor * logits, ggml_tensor * exp_probs_b,
             llama_expert_gating_func_type gating, bool norm_w, ggml_tensor *& selected, ggml_tensor *& weights,
             std::initializer_list<ggml_tensor **> expert_tensors);
+
+    // Call site: llama_context::process_ubatch, in place of its graph_compute(). compute(again) computes the
+    // ubatch's graph (again: its inputs set once more first, as a graph's inputs may share memory with its
+    // intermediate results); with shadow= every that many ubatches it is computed twice, first exactly (every miss computed
+    // with the missed expert, nothing counted), then as the cache serves it, and the two logits compared
+    // (llama-expert-shadow.h). t_logits: the graph's logits, or null; sched: the context's scheduler.
+    ggml_status compute_ubatch(const llama_ubatch & ubatch, ggml_tensor * t_logits, ggml_backend_sched_t sched,
+            const std::function<ggml_status(bool again)> & compute);
 
     // Call site: llama_context::memory_breakdown. The cache banks count as per-context memory, like the KV cache.
     void memory_breakdown_add(llama_memory_breakdown & ret) const;

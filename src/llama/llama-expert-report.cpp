@@ -60,6 +60,13 @@ void llama_expert_cache_impl::print_stats() const {
             ratio(t.prefetches, t.token_layers), (unsigned long long) t.prefetch_used,
             100.0 * ratio(t.prefetch_used, t.prefetches), (unsigned long long) t.prefetch_wasted);
     }
+    if (shadow) {
+        const auto sh = shadow->summary();
+        LLAMA_LOG_INFO("%s: expert cache shadow estimate: delta-PPL %+.2f%% [%+.2f, %+.2f] (95%% CI over %llu ubatches "
+            "computed twice, %llu next tokens), KL %.5f nats per token [%.5f, %.5f] over %llu rows, %.1f ms\n", __func__,
+            sh.dppl_pct, sh.dppl_pct_low, sh.dppl_pct_high, (unsigned long long) sh.ubatches,
+            (unsigned long long) sh.pairs, sh.kl.mean, sh.kl.low, sh.kl.high, (unsigned long long) sh.rows, sh.shadow_ms);
+    }
     if (engine) {
         const auto e = engine_total();
         LLAMA_LOG_INFO("%s: expert cache engine: banks %.2f MiB, %llu experts copied (%.2f MiB in %llu copies, %.3f ms), "
@@ -139,6 +146,15 @@ bool llama_expert_cache_impl::write_stats(const std::string & path) const {
     fprintf(f, "  \"bypass_token_layers\": %llu,\n", (unsigned long long) bypass_tl);
     fprintf(f, "  \"route_ns\": %llu,\n", (unsigned long long) route_ns);
     fprintf(f, "  \"route_ns_per_token_layer\": %.6g,\n", route_tokens ? (double) route_ns / route_tokens : 0.0);
+    if (shadow) {
+        const auto sh = shadow->summary();
+        fprintf(f, "  \"shadow\": {\"every\": %u, \"ubatches\": %llu, \"rows\": %llu, \"pairs\": %llu, "
+            "\"kl\": %.9g, \"kl_low\": %.9g, \"kl_high\": %.9g, \"dnll\": %.9g, \"dnll_low\": %.9g, "
+            "\"dnll_high\": %.9g, \"dppl_pct\": %.9g, \"dppl_pct_low\": %.9g, \"dppl_pct_high\": %.9g, "
+            "\"shadow_ms\": %.6g},\n", sh.every, (unsigned long long) sh.ubatches, (unsigned long long) sh.rows,
+            (unsigned long long) sh.pairs, sh.kl.mean, sh.kl.low, sh.kl.high, sh.dnll.mean, sh.dnll.low, sh.dnll.high,
+            sh.dppl_pct, sh.dppl_pct_low, sh.dppl_pct_high, sh.shadow_ms);
+    }
     if (test_gating) {
         uint64_t checked = 0;
         double rmin = 1e300, rmax = -1e300;

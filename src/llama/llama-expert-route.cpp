@@ -251,6 +251,14 @@ static void route_bypass(llama_expert_cache_layer & L, llama_expert_cache_impl &
     L.bypass_tokens += (uint64_t) T;
 }
 
+// shadow=, the exact pass: the router's experts and gate weights as they are, and nothing counted or changed
+static void route_exact(llama_expert_cache_layer & L, ggml_tensor * dst, const ggml_tensor * ids, int64_t T, int32_t k) {
+    for (int64_t t = 0; t < T; ++t) {
+        std::memcpy((char *) dst->data + t*dst->nb[1], (const char *) ids->data + t*ids->nb[1], k * sizeof(int32_t));
+    }
+    L.scales.assign((size_t) T * k, 1.0f);
+}
+
 static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -272,6 +280,11 @@ static void llama_expert_cache_route(ggml_tensor * dst, int ith, int nth, void *
 
     GGML_ASSERT(k <= cache.n_used && (cache.trace == nullptr || k == cache.n_used));
     GGML_ASSERT(E == cache.n_expert);
+
+    if (cache.shadow_active()) {
+        route_exact(L, dst, ids, T, k);
+        return;
+    }
 
     const bool banked = cache.banked(dst);
 
@@ -376,6 +389,10 @@ static void llama_expert_cache_check_gating(ggml_tensor * dst, int ith, int nth,
         return;
     }
     auto & L = *(llama_expert_cache_layer *) userdata;
+    *(float *) dst->data = 0.0f;
+    if (L.cache->shadow_active()) {
+        return; // the exact pass: the route step did not gate this ubatch
+    }
     const ggml_tensor * weights = dst->src[1];
     const int64_t k = weights->ne[1];
     const int64_t T = weights->ne[2];

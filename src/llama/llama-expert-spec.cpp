@@ -397,6 +397,11 @@ static bool spec_key_profile_every(const std::string & val, llama_expert_cache_c
 }
 static bool spec_key_trace(const std::string & val, llama_expert_cache_config & cfg)       { return parse_path(val, cfg.trace); }
 
+static bool spec_key_shadow(const std::string & val, llama_expert_cache_config & cfg) {
+    uint64_t v;
+    return parse_int(val, 0, UINT32_MAX, v) && (cfg.shadow = (uint32_t) v, true);
+}
+
 static bool spec_key_trace_top(const std::string & val, llama_expert_cache_config & cfg) {
     uint64_t v;
     return parse_int(val, 0, 65536, v) && (cfg.trace_top = (uint32_t) v, true);
@@ -601,6 +606,10 @@ static bool spec_check_rule_keys(llama_expert_cache_config & cfg, const spec_kv 
 
 // the keys of the budget, the tiers, the reads, the prefetch and the output files, against each other and the mode
 static bool spec_check_tier_keys(const llama_expert_cache_config & cfg, const spec_kv & kv, std::string & err) {
+    if (cfg.shadow > 0 && cfg.mode == LLAMA_EXPERT_CACHE_MODE_ENGINE) {
+        err = "shadow= computes a ubatch exactly with the full expert tensors, which mode=engine's banks replace: use mode=emulate";
+        return false;
+    }
     if (cfg.profile_every > 0 && cfg.profile_out.empty() && cfg.mode != LLAMA_EXPERT_CACHE_MODE_OFF) {
         err = "profile_every= writes the profile_out= file during the run: it needs profile_out=";
         return false;

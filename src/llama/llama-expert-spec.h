@@ -61,7 +61,8 @@
     X(profile_every, "a number of tokens, 0 for only at the end") \
     X(stats,        "a file path") \
     X(trace,        "a file path") \
-    X(trace_top,    "a count of router probabilities per token and layer")
+    X(trace_top,    "a count of router probabilities per token and layer") \
+    X(shadow,       "a number of ubatches (every that many, one is also computed exactly: the cache's measured cost), 0 for off")
 
 enum llama_expert_cache_mode {
     LLAMA_EXPERT_CACHE_MODE_OFF     = 0,
@@ -187,6 +188,7 @@ struct llama_expert_cache_config {
     std::string stats;       // write statistics as JSON at the end
     std::string trace;       // write a binary router trace
     uint32_t    trace_top = 16; // router probabilities kept per token and layer in the trace
+    uint32_t    shadow = 0; // the shadow estimate: every that many ubatches, one computed exactly too (0: off)
 };
 
 // The parameters a layer's policy decides with (llama-expert-params.h), resolved once from the configuration
