@@ -76,6 +76,10 @@ CASES = [
     ("policy=quality,profile_every=256",
      "error: profile_every= writes the profile_out= file during the run: it needs profile_out="),
     ("policy=quality,profile_out=p.txt,profile_every=-1", "error: bad value '-1' for key 'profile_every'"),
+    # rule=budget (issue 37): a per-token gate-weight budget
+    ("rule=budget,mass=0.2", "ok"),
+    ("rule=budget,mass=2", "error: bad value '2' for key 'mass'"),
+    ("policy=quality,mass=0.2", "error: mass applies to rule=budget"),
     # the shadow estimate (issue 37): emulate mode only
     ("policy=quality,shadow=32", "ok"),
     ("policy=quality,shadow=0", "ok"),
@@ -135,7 +139,7 @@ CASES = [
                               "at, in [0, k-1]"),
     ("rule=first-choice,max_rank=0", "error: max_rank applies to rule=band, not to rule=first-choice"),
     ("rule=bands", "error: bad value 'bands' for key 'rule' (accepted: fetch-all, threshold, first-choice, "
-                   "substitute-all, drop, cache-route, zero, ser, band)"),
+                   "substitute-all, drop, cache-route, zero, ser, band, budget)"),
     # two path keys on one file (issue 35): stats= and trace= there destroyed both and exited 0
     ("policy=quality,stats=s.json,trace=s.json",
      "error: stats=s.json and trace=s.json name the same file: one would overwrite the other; give each its own path"),

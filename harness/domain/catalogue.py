@@ -48,9 +48,9 @@ STUDY_POLICIES = ("fetch-all", "rule-0.15", "substitute-all", "first-choice", "q
 
 # Miss rules (the `rule` key), for sweeps.
 # the engine's rule table, in its order (tests/test_tables.py holds the two equal): cache-route, zero and ser are the
-# anchors' rules, at their defaults (docs/expert-cache.md); band is Experiment B's
+# anchors' rules, at their defaults (docs/expert-cache.md); band is Experiment B's; budget spends a per-token mass
 RULES = ("fetch-all", "threshold", "first-choice", "substitute-all", "drop",
-         "cache-route", "zero", "ser", "band")
+         "cache-route", "zero", "ser", "band", "budget")
 SWEEP_RULES = ("fetch-all", "threshold", "first-choice", "substitute-all")  # harness sweep's default grid
 FIRST_CHOICE_FETCHING = ("fetch-all", "threshold", "first-choice", "cache-route")  # rank 0 is always fetched (j=1)
 SWEEP_TAUS = (0.05, 0.1, 0.15, 0.25, 0.4)  # thresholds of the threshold rule in a sweep

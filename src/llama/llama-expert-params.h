@@ -33,6 +33,7 @@ struct llama_expert_params {
     float    band_hi       = 1.0f;
     int32_t  band_min_rank = 0;
     int32_t  band_max_rank = -1; // -1: no last rank
+    float    budget_mass   = 0.1f; // rule=budget: the gate weight a token's substituted misses may sum to
     bool     renorm     = false;
     bool     light_host = false;
     bool     prefetch   = false;

@@ -411,6 +411,10 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
     double mass      = 0.0;
     double drop_mass = 0.0;
 
+    if (R.id == LLAMA_EXPERT_MISS_BUDGET) {
+        spend_budget(ids, w, k);
+    }
+
     for (int32_t r = 0; r < k; ++r) {
         const int32_t e = ids[r];
         stats.calls++;
@@ -459,6 +463,29 @@ void llama_expert_layer_policy::decide(const int32_t * ids, const float * w, int
     count_token(mass, drop_mass);
 }
 
+// rule=budget: the token's misses from the lightest up (ties: the later rank first) are substituted while their
+// summed gate weight stays within the budget; the first that would exceed it, and every heavier one, is fetched
+void llama_expert_layer_policy::spend_budget(const int32_t * ids, const float * w, int32_t k) {
+    budget_sub.assign(k, 0);
+    budget_order.clear();
+    for (int32_t r = 0; r < k; ++r) {
+        if (slot_by_expert[ids[r]] < 0) {
+            budget_order.push_back(r);
+        }
+    }
+    std::stable_sort(budget_order.begin(), budget_order.end(), [&](int32_t a, int32_t b) {
+        return w[a] < w[b] || (w[a] == w[b] && a > b);
+    });
+    double spent = 0.0;
+    for (int32_t r : budget_order) {
+        if (spent + w[r] > (double) par.budget_mass + 1e-6) {
+            break;
+        }
+        spent += w[r];
+        budget_sub[r] = 1;
+    }
+}
+
 // a miss of selection r (expert e): the rule's verdict, then a drop, a host compute, a fetch into a free slot or a
 // substitute (with its admission accumulator)
 void llama_expert_layer_policy::decide_miss(int32_t r, int32_t e, const float * w, const float * scores, int32_t k,
@@ -467,7 +494,10 @@ void llama_expert_layer_policy::decide_miss(int32_t r, int32_t e, const float * 
     stats.misses++;
 
     // the rule's verdict on the miss (the tier: whether it would be read from the model file)
-    const llama_expert_verdict v = llama_expert_rule_verdict(R, r, w[r], par.host_file && !in_ram(e), par);
+    llama_expert_verdict v = llama_expert_rule_verdict(R, r, w[r], par.host_file && !in_ram(e), par);
+    if (R.id == LLAMA_EXPERT_MISS_BUDGET && budget_sub[r]) {
+        v = par.light_host ? LLAMA_EXPERT_VERDICT_HOST : LLAMA_EXPERT_VERDICT_SUBSTITUTE; // within the token's budget
+    }
 
     if (v == LLAMA_EXPERT_VERDICT_DROP) {
         stats.drops++;

@@ -140,6 +140,8 @@ struct llama_expert_layer_policy {
     std::vector<int32_t>  cand;     // best-scored resident, non-selected experts of the token (built on demand)
     uint64_t              cand_tick = 0;
     std::vector<int32_t>  window;   // cache-route: the router's top m experts of the token, best first (on demand)
+    std::vector<uint8_t>  budget_sub;   // rule=budget: per rank of the token being decided, 1 = substitute its miss
+    std::vector<int32_t>  budget_order; // rule=budget: the token's missed ranks, lightest first
     uint64_t              window_tick = 0;
 
     // ClassLRU: the decayed count of expert e at the current tick, and its class
@@ -166,6 +168,7 @@ private:
     int32_t find_route_substitute(const float * scores, int32_t k); // cache-route: within the top m, or -1
     void    place(int32_t e, int32_t slot);
     // the parts of decide: one miss, the scales of drops and renorm, the admissions, the token's statistics
+    void    spend_budget(const int32_t * ids, const float * w, int32_t k); // rule=budget: fills budget_sub
     void    decide_miss(int32_t r, int32_t e, const float * w, const float * scores, int32_t k, int32_t * out_ids,
                         uint8_t * out_actions, float * out_scale, double & mass, double & drop_mass);
     void    apply_scales(const float * w, int32_t k, const uint8_t * out_actions, float * out_scale);

@@ -58,6 +58,11 @@ static llama_expert_verdict band(int32_t rank, float w, bool, const llama_expert
     return in_ranks && in_band ? LLAMA_EXPERT_VERDICT_SUBSTITUTE : LLAMA_EXPERT_VERDICT_FETCH;
 }
 
+// the budget rule's verdict once a token's budget is spent (the policy spends it: llama-expert-policy.cpp)
+static llama_expert_verdict budget(int32_t, float, bool, const llama_expert_params &) {
+    return LLAMA_EXPERT_VERDICT_FETCH;
+}
+
 //
 // the start-up log's lines of the rules with parameters of their own
 //
@@ -75,6 +80,11 @@ static std::string describe_cache_route(const llama_expert_params & p, int32_t k
     return describe_format("cache-route: ranks < %d always computed, substitutes from the router's top %d, alpha = %.3f, "
         "light misses %s", p.route_j, p.route_m > 0 ? p.route_m : std::min(n_expert, 2*k), p.route_alpha,
         p.light_host ? "on the host" : "substituted");
+}
+
+static std::string describe_budget(const llama_expert_params & p, int32_t, int32_t) {
+    return describe_format("budget: per token, the lightest misses substituted while their summed gate weight stays "
+        "<= %.3f, the others fetched; light misses %s", p.budget_mass, p.light_host ? "on the host" : "substituted");
 }
 
 static std::string describe_ser(const llama_expert_params & p, int32_t, int32_t) {
@@ -107,6 +117,7 @@ const llama_expert_rule LLAMA_EXPERT_RULES[] = {
     { LLAMA_EXPERT_MISS_ZERO,           "zero",           "tau",            "",                  true,  false, false, zero,           nullptr,  nullptr              },
     { LLAMA_EXPERT_MISS_SER,            "ser",            "kmin,t",         "",                  true,  false, false, ser,            ser_skip, describe_ser         },
     { LLAMA_EXPERT_MISS_BAND,           "band",           "lo,hi,min_rank,max_rank", "",         false, true,  false, band,           nullptr,  describe_band        },
+    { LLAMA_EXPERT_MISS_BUDGET,         "budget",         "mass",           "",                  false, true,  false, budget,         nullptr,  describe_budget      },
 };
 
 const int32_t LLAMA_EXPERT_N_RULES = (int32_t) (sizeof(LLAMA_EXPERT_RULES) / sizeof(LLAMA_EXPERT_RULES[0]));

@@ -31,6 +31,10 @@
 //     first choice is always fetched, so that a band of light weights is told apart from the first choice).
 //   - rule=band with max_rank=M: ranks above M are fetched on a miss whatever their weight (max_rank=0: only a
 //     first choice is ever substituted, the study's light first choices `rule=band,hi=H,max_rank=0`).
+//   - rule=budget (the study's mass hypothesis as a rule; issue 37): per token, its misses from the lightest up are
+//     substituted while their summed gate weight stays <= `mass` (default 0.1), the first that would exceed it and
+//     every heavier one fetched. A token-level verdict: the policy's decide() spends the budget (the row's verdict,
+//     FETCH, is what a miss gets once the budget is spent).
 //   - light=host (rules that substitute): a light miss, one the rule does not fetch by its rank or weight (which
 
 #include "llama-expert-params.h"
@@ -48,6 +52,7 @@ enum llama_expert_miss_rule {
     LLAMA_EXPERT_MISS_ZERO           = 6, // colibri DEGRADE_ZERO: drop a miss with gate weight < tau, fetch the others
     LLAMA_EXPERT_MISS_SER            = 7, // ik_llama.cpp SER: skip ranks >= kmin unless w > t * w_0 (cache-unaware)
     LLAMA_EXPERT_MISS_BAND           = 8, // substitute a miss with gate weight in [lo, hi) at ranks in [min_rank, max_rank], fetch the others
+    LLAMA_EXPERT_MISS_BUDGET         = 9, // a token's lightest misses substituted while their summed weight <= mass, the rest fetched
 };
 
 const char * llama_expert_miss_rule_name(llama_expert_miss_rule rule);

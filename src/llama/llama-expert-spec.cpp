@@ -230,6 +230,7 @@ static bool spec_key_alpha(const std::string & val, llama_expert_cache_config & 
 static bool spec_key_t(const std::string & val, llama_expert_cache_config & cfg)        { return parse_unit(val, cfg.ser_t); }
 static bool spec_key_lo(const std::string & val, llama_expert_cache_config & cfg)       { return parse_unit(val, cfg.band_lo); }
 static bool spec_key_hi(const std::string & val, llama_expert_cache_config & cfg)       { return parse_unit(val, cfg.band_hi); }
+static bool spec_key_mass(const std::string & val, llama_expert_cache_config & cfg)     { return parse_unit(val, cfg.budget_mass); }
 
 static bool spec_key_j(const std::string & val, llama_expert_cache_config & cfg) {
     uint64_t v;
@@ -788,6 +789,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     p.band_hi            = cfg.band_hi;
     p.band_min_rank      = cfg.band_min_rank;
     p.band_max_rank      = cfg.band_max_rank;
+    p.budget_mass        = cfg.budget_mass;
     p.renorm             = cfg.renorm;
     p.light_host         = cfg.light_host;
     p.prefetch           = cfg.prefetch;

@@ -34,6 +34,7 @@
     X(hi,           "the band's upper gate weight bound in [0, 1] (1: none)") \
     X(min_rank,     "the first rank the band substitutes at, in [0, k] (0: any rank; 1: never the first choice)") \
     X(max_rank,     "the last rank the band substitutes at, in [0, k-1], not below min_rank (0: only the first choice)") \
+    X(mass,         "the gate weight a token's substituted misses may sum to, in [0, 1]") \
     X(renorm,       "on (rescale the computed experts to the weight sum of all k) or off") \
     X(light,        "substitute (a resident expert computes instead) or host (the host computes the missed expert)") \
     X(evict,        "lfu, lru, classlru") \
@@ -117,6 +118,7 @@ struct llama_expert_cache_config {
     float   ser_t    = 0.1f;
 
     // rule=band: substitute a miss with gate weight in [band_lo, band_hi) (band_hi = 1: no upper bound)
+    float   budget_mass   = 0.1f; // rule=budget: the summed gate weight a token's substituted misses stay within
     float   band_lo       = 0.0f;
     float   band_hi       = 1.0f;
     int32_t band_min_rank = 0; // ranks below it are fetched on a miss (1: the first choice is never substituted)
@@ -221,6 +223,7 @@ llama_expert_params llama_expert_cache_config_params(const llama_expert_cache_co
     X(band_hi,            FLOAT, cfg.band_hi) \
     X(band_min_rank,      INT,   cfg.band_min_rank) \
     X(band_max_rank,      INT,   cfg.band_max_rank >= 0 ? cfg.band_max_rank : k - 1) \
+    X(budget_mass,        FLOAT, cfg.budget_mass) \
     X(renorm,             BOOL,  cfg.renorm) \
     X(light,              NAME,  cfg.light_host ? "host" : "substitute") \
     X(prefetch,           BOOL,  cfg.prefetch) \

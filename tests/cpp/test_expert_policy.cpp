@@ -465,6 +465,51 @@ static void test_band() {
     }
 }
 
+// rule=budget (issue 37): per token, the lightest misses substituted while their summed gate weight stays within
+// mass; the first that would exceed it and every heavier miss fetched; hits spend nothing
+static void test_rule_budget() {
+    llama_expert_cache_config cfg;
+    std::string err;
+    CHECK(llama_expert_cache_config_parse("rule=budget", cfg, err) && cfg.rule == LLAMA_EXPERT_MISS_BUDGET);
+    CHECK(cfg.budget_mass == 0.1f && std::string(llama_expert_miss_rule_name(cfg.rule)) == "budget");
+    CHECK(llama_expert_cache_config_parse("rule=budget,mass=0.25", cfg, err) && cfg.budget_mass == 0.25f);
+    CHECK(!llama_expert_cache_config_parse("rule=budget,mass=1.5", cfg, err) && err.find("for key 'mass'") != std::string::npos);
+    CHECK(!llama_expert_cache_config_parse("policy=quality,mass=0.1", cfg, err) && err.find("mass applies to rule=budget") == 0);
+
+    std::vector<float> scores(16, 0.0f);
+    scores[5] = 2.0f; scores[6] = 1.0f; scores[4] = 0.5f; // the best resident substitutes: 5, 6, then 4
+    const std::vector<int32_t> ids = { 10, 11, 12, 13, 3 }; // 10..13 missed, 3 a hit (resident: 0..7)
+    const std::vector<float>   w   = { 0.4f, 0.25f, 0.15f, 0.1f, 0.1f };
+    {
+        // mass 0.3: 0.1 (rank 3) and 0.15 (rank 2) fit (0.25), 0.25 would exceed: ranks 0 and 1 fetched; the hit spends nothing
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=budget,mass=0.3,evict=lru,slots=8"));
+        auto r = step(p, ids, w, scores);
+        CHECK(r.act[3] == LLAMA_EXPERT_ACTION_SUBSTITUTE && r.act[2] == LLAMA_EXPERT_ACTION_SUBSTITUTE);
+        CHECK(r.act[0] == LLAMA_EXPERT_ACTION_FETCH && r.act[1] == LLAMA_EXPERT_ACTION_FETCH && r.act[4] == LLAMA_EXPERT_ACTION_HIT);
+        CHECK(p.stats.substitutions == 2 && p.stats.fetches == 2 && near(p.stats.subst_mass_sum, 0.25));
+    }
+    {
+        // mass 0: a budget of nothing fetches every miss (fetch-all); mass 1: every miss substituted, rank 0 included
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=budget,mass=0,slots=8"));
+        step(p, ids, w, scores);
+        CHECK(p.stats.substitutions == 0 && p.stats.fetches == 4);
+        llama_expert_layer_policy q;
+        q.init(16, 8, cfg_of("rule=budget,mass=1,slots=8"));
+        step(q, ids, w, scores);
+        CHECK(q.stats.substitutions == 4 && q.stats.fetches == 0 && q.stats.subst_first_choice == 1);
+    }
+    {
+        // the budget is per token: a second token has its own
+        llama_expert_layer_policy p;
+        p.init(16, 8, cfg_of("rule=budget,mass=0.12,evict=lru,admit=off,slots=8"));
+        step(p, { 10, 11 }, { 0.9f, 0.1f }, scores);
+        step(p, { 12, 13 }, { 0.9f, 0.1f }, scores);
+        CHECK(p.stats.substitutions == 2 && p.stats.fetches == 2 && near(p.stats.subst_mass_sum, 0.2));
+    }
+}
+
 // rule=band with min_rank=1 (the row's own key, added through the rule and key tables only): a miss at a rank below
 // min_rank is fetched whatever its weight, the band applies from min_rank on, so that Experiment B can tell a band of
 // weights apart from the first choice
@@ -577,7 +622,7 @@ static void test_band_max_rank() {
 
 // the rule table: a row per enum value, in enum order, names unique; the spec's rule list is the table's
 static void test_rule_table() {
-    CHECK(LLAMA_EXPERT_N_RULES == LLAMA_EXPERT_MISS_BAND + 1);
+    CHECK(LLAMA_EXPERT_N_RULES == LLAMA_EXPERT_MISS_BUDGET + 1);
     for (int32_t i = 0; i < LLAMA_EXPERT_N_RULES; ++i) {
         const llama_expert_rule & r = LLAMA_EXPERT_RULES[i];
         CHECK(r.id == (llama_expert_miss_rule) i && r.miss != nullptr);
@@ -1166,6 +1211,7 @@ int main() {
     test_zero();
     test_ser();
     test_band();
+    test_rule_budget();
     test_band_min_rank();
     test_band_max_rank();
     test_rule_table();
