@@ -31,7 +31,8 @@
 //     first choice is always fetched, so that a band of light weights is told apart from the first choice).
 //   - rule=band with max_rank=M: ranks above M are fetched on a miss whatever their weight (max_rank=0: only a
 //     first choice is ever substituted, the study's light first choices `rule=band,hi=H,max_rank=0`).
-//   - rule=budget (the study's mass hypothesis as a rule; issue 37): per token, its misses from the lightest up are
+//   - rule=budget (the study's mass hypothesis as a rule; issue 37): per token and MoE layer (each layer decides its
+//     own), its misses from the lightest up are
 //     substituted while their summed gate weight stays <= `mass` (default 0.1), the first that would exceed it and
 //     every heavier one fetched. A token-level verdict: the policy's decide() spends the budget (the row's verdict,
 //     FETCH, is what a miss gets once the budget is spent).

@@ -6,30 +6,37 @@
 #include <chrono>
 #include <cmath>
 
-// log-softmax of one row in place
-static void shadow_log_softmax(float * x, int64_t n) {
+// log-softmax of one row in place; prob (when not null): the probabilities too (one pass of exp for both)
+static void shadow_log_softmax(float * x, int64_t n, float * prob = nullptr) {
     float mx = x[0];
     for (int64_t i = 1; i < n; ++i) {
         mx = std::max(mx, x[i]);
     }
     double s = 0.0;
     for (int64_t i = 0; i < n; ++i) {
-        s += std::exp((double) x[i] - mx);
+        const float e = std::exp(x[i] - mx);
+        s += e;
+        if (prob) {
+            prob[i] = e;
+        }
     }
     const float lse = mx + (float) std::log(s);
     for (int64_t i = 0; i < n; ++i) {
         x[i] -= lse;
     }
+    if (prob) {
+        const float inv = (float) (1.0 / s);
+        for (int64_t i = 0; i < n; ++i) {
+            prob[i] *= inv;
+        }
+    }
 }
 
-// KL(p || q) of two log-probability rows, in nats
-static double shadow_kl(const float * lp, const float * lq, int64_t n) {
+// KL(p || q) from p's probabilities and both log-probabilities, in nats
+static double shadow_kl(const float * p, const float * lp, const float * lq, int64_t n) {
     double kl = 0.0;
     for (int64_t i = 0; i < n; ++i) {
-        const double p = std::exp((double) lp[i]);
-        if (p > 0.0) {
-            kl += p * ((double) lp[i] - lq[i]);
-        }
+        kl += (double) p[i] * ((double) lp[i] - lq[i]);
     }
     return std::max(kl, 0.0);
 }
@@ -113,9 +120,10 @@ void llama_expert_shadow::compare(const llama_ubatch & ubatch, int64_t n_vocab, 
         }
         float * le = exact.data()  + row*n_vocab;
         float * ls = served.data() + row*n_vocab;
-        shadow_log_softmax(le, n_vocab);
+        prob.resize((size_t) n_vocab);
+        shadow_log_softmax(le, n_vocab, prob.data());
         shadow_log_softmax(ls, n_vocab);
-        kl_sum[s] += shadow_kl(le, ls, n_vocab);
+        kl_sum[s] += shadow_kl(prob.data(), le, ls, n_vocab);
         kl_n[s]++;
         ++row;
         if (ubatch.token == nullptr || ubatch.seq_id == nullptr || ubatch.pos == nullptr) {

@@ -80,6 +80,7 @@ struct llama_expert_shadow {
     std::vector<float>  pending_served;
 
     std::vector<float> exact, served; // the two passes' logits, then log-probabilities, [n_outputs * n_vocab]
+    std::vector<float> prob;          // one row of the exact pass's probabilities
 
     void resolve_pending(const llama_ubatch & ubatch);
     void compare(const llama_ubatch & ubatch, int64_t n_vocab, int64_t n_rows);
