@@ -405,7 +405,9 @@ N_TOK = 400
 
 def _loss(label: str) -> float:
     """Per-token NLL shift: grows with the threshold (0.05 per unit tau), first-choice 0.03, zero 0.02 per unit tau;
-    the presets quality 0.008, speed 0.02."""
+    the presets quality 0.008, speed 0.02; on --check-text ("check:" labels) 1.5 times as much."""
+    if label.startswith("check:"):
+        return 1.5 * _loss(label[len("check:"):])
     if label.startswith(("full", "trace", "fetch-all", "rule=fetch-all")):
         return 0.0
     if label.startswith("quality"):
@@ -584,6 +586,32 @@ def test_run_tune_with_fakes(tmp_path: Path) -> None:
     assert [c.split(",")[:2] for c in again.calls] == [["rule=threshold", "tau=0.05"], ["rule=threshold", "tau=0.1"],
                                                        ["rule=zero", "tau=0.1"], ["rule=zero", "tau=0.2"]]
     assert res2.choices[0].delta_pct <= 0.6
+
+
+def test_run_tune_check_text_judges_the_choice_out_of_sample(tmp_path: Path) -> None:
+    """--check-text: the full model and then the choice and the quality preset on the other text, paired there; the
+    bound judged there too (the fake's losses are 1.5x on it: zero tau=0.3, +0.60% where chosen, is +0.90% there,
+    within 1%; at a 0.7% bound the choice passes where chosen and not there); the same text is refused."""
+    other = tmp_path / "other.txt"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    other.write_text("other text")
+    res, runner, _ = _fake_run(tmp_path, check_text=other)
+    checks = [c for c in runner.calls if c.startswith("check:")]
+    assert checks[0] == "check:full" and len(checks) == 3
+    chosen, quality = res.out_of_sample
+    assert chosen.role == "chosen" and quality.role == "quality" and chosen.policy == res.choices[0].policy
+    assert chosen.delta is not None and chosen.delta.delta_pct == pytest.approx(100 * math.expm1(1.5 * 0.006))
+    assert chosen.within_bound and quality.delta is not None
+    assert quality.delta.delta_pct == pytest.approx(100 * math.expm1(1.5 * 0.008))
+    lines = "\n".join(summary_lines(res))
+    assert "### Out of sample" in lines and "other.txt" in lines
+    tight, _, _ = _fake_run(tmp_path / "t", check_text=other, max_delta_pct=0.7)
+    assert tight.choices[0].delta_pct <= 0.7
+    chosen_t = next(c for c in tight.out_of_sample if c.role == "chosen")
+    assert chosen_t.delta is not None and chosen_t.delta.delta_pct > 0.7 and not chosen_t.within_bound
+    assert "**no**" in "\n".join(summary_lines(tight))
+    with pytest.raises(HarnessError, match="is the text the choice is made on"):
+        _fake_run(tmp_path / "same", check_text=tmp_path / "same" / "t.txt")
 
 
 def test_run_tune_measure_and_errors(tmp_path: Path) -> None:

@@ -320,7 +320,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     name = (model or tune_default_model()).name
     opts = TuneOptions(out=options.out_dir(args, f"tune-{name}"), model=model, grid=grid,
                        max_delta_pct=options.percent(args.max_delta_ppl, "--max-delta-ppl"), strict=args.strict,
-                       host=args.host,
+                       check_text=args.check_text, host=args.host,
                        base_profile=args.base_profile, readers=args.readers, measure=args.measure,
                        measure_grid=args.measure_grid, runs=args.runs,
                        n_gen=args.n_gen, profile_out=args.profile_out, seed=args.seed, argv=tuple(sys.argv),
@@ -359,6 +359,8 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(default: %(default)s)")
     t.add_argument("--strict", action="store_true", help="the bound on the 95%% CI's upper end instead")
     options.add_text(t)
+    t.add_argument("--check-text", type=Path, help="judge the choice (made on --text) and the quality preset on "
+                   "this other text too: out of sample, in the report (default: not run)")
     t.add_argument("--residency", default=join(tuple(x * 100 for x in g.fractions)),
                    help="resident percent of each layer's experts, one profile entry each (default: %(default)s)")
     t.add_argument("--taus", default=join(g.taus), help="the threshold rule's taus (default: %(default)s)")

@@ -72,6 +72,7 @@ class TuneOptions(PerplexitySettings):
     out: Path
     model: Path | None = None  # None: the project's trained model
     max_delta_pct: float = 1.0  # the bound on delta-PPL%, on its point estimate (strict: on its 95% CI's upper end)
+    check_text: Path | None = None  # out of sample: the choice (chosen on the text) judged on this text too
     strict: bool = False
     grid: TuneGrid = TuneGrid()
     host: str | None = None  # None: file on a machine without a GPU, ram with one
@@ -590,6 +591,19 @@ class TuneChoice:
 
 
 @dataclass(frozen=True)
+class OutOfSample:
+    """A configuration chosen (or preset) on the tune's text, judged on other text (`--check-text`): its paired
+    delta-PPL there, and whether the bound holds there as the tune applies it."""
+
+    residency: str
+    role: str  # "chosen" or a preset
+    policy: str
+    text: str
+    delta: DeltaPPL | None  # None: the two runs did not score the same tokens
+    within_bound: bool
+
+
+@dataclass(frozen=True)
 class ModelIdentity:
     name: str
     file_name: str
@@ -634,6 +648,7 @@ class TuneResult:
     wall_s: float
     notes: tuple[str, ...]
     speeds: tuple[SpeedCheck, ...] = ()  # as TuneProfile.speeds
+    out_of_sample: tuple[OutOfSample, ...] = ()  # --check-text: the choices judged on other text
 
     @property
     def stable(self) -> bool:

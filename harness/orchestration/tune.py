@@ -53,6 +53,7 @@ from harness.domain.tune import (
     CheckRow,
     MachineFacts,
     ModelIdentity,
+    OutOfSample,
     Rung,
     SimPoint,
     SpeedCheck,
@@ -192,6 +193,7 @@ class _Runs:
         self.prov = env.provenance(self.builds, opts.argv, env.gpu())
         self.results, self.fp, self.progress, self.meta = results, fp, progress, meta
         self.full: NllDump | None = None
+        self.full_label = FULL  # the run the deltas pair against
         self.deltas: dict[str, DeltaPPL | None] = {}
 
     def run(self, specs: Sequence[RunSpec]) -> None:
@@ -227,7 +229,7 @@ class _Runs:
         if label not in self.deltas:
             self.run([self.ppl_spec(label, cache)])
             if self.full is None:
-                self.full = self.nll(FULL)
+                self.full = self.nll(self.full_label)
             mine = self.nll(label)
             ok = mine.nll.shape == self.full.nll.shape and bool((mine.tokens == self.full.tokens).all())
             self.deltas[label] = paired_delta_ppl(self.full.nll, mine.nll, self.full.chunk, n_boot=self.opts.n_boot,
@@ -298,6 +300,12 @@ def _resolved(opts: TuneOptions) -> tuple[Path, Path]:
 def _check_options(opts: TuneOptions, text: Path) -> None:
     if not text.is_file():
         raise HarnessError(f"cannot read the text {text}: no such file")
+    if opts.check_text is not None:
+        if not opts.check_text.is_file():
+            raise HarnessError(f"cannot read the --check-text {opts.check_text}: no such file")
+        if opts.check_text.resolve() == text.resolve():
+            raise HarnessError(f"--check-text {opts.check_text} is the text the choice is made on: give other text "
+                               "(the check is out of sample)")
     if not opts.max_delta_pct > 0:
         raise HarnessError(f"--max-delta-ppl must be above 0%, got {opts.max_delta_pct:g}%")
     if opts.measure_grid < 0 or (opts.measure_grid and not opts.measure):
@@ -404,6 +412,7 @@ class _Search:
     choices: list[TuneChoice] = field(default_factory=list)
     frontier: list[SimPoint] = field(default_factory=list)
     pools: dict[float, list[SimPoint]] = field(default_factory=dict)
+    chosen: dict[float, Candidate] = field(default_factory=dict)
 
 
 def _search_residency(opts: TuneOptions, runs: _Runs, info: ModelInfo, host: str, f: float, slots: int,
@@ -438,6 +447,7 @@ def _search_residency(opts: TuneOptions, runs: _Runs, info: ModelInfo, host: str
         return row.delta.delta_pct if row is not None and row.delta is not None else None
 
     chosen = pick_fastest(best, boundaries, opts.grid, passes, measured)
+    out.chosen[f] = chosen.candidate
     failed = {rung for rung, row in checked.items() if not row.passes}
     out.pools[f] = [p for p in within_bound_points(points, f, boundaries, opts.grid, failed)
                     if p.candidate.name != chosen.candidate.name]
@@ -513,6 +523,10 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
         _search_residency(opts, runs, info, host, f, slots, points, presets, search)
     rows, choices = search.rows, search.choices
 
+    # 4b. --check-text: the choice and the quality preset judged on text they were not chosen on
+    out_of_sample = _out_of_sample(opts, model, runner, env, results, fp, progress, meta, info, search, presets) \
+        if opts.check_text is not None else ()
+
     # 5. --measure: decode with the engine, the choice and the presets interleaved
     if opts.measure:
         rows, choices, measured = _measure(opts, model, host, not facts.gpus, runs, rows, choices, points, presets,
@@ -526,7 +540,31 @@ def run_tune(opts: TuneOptions, runner: Runner, sim: SimRunner, info: ModelInfo,
         {"pin": prov.pin, "pin_sha256": prov.pin_sha256, "patch_series": prov.patch_series}, tuple(speeds.values())))
     return TuneResult(opts, identity, host, facts, profile, sources, len(points) + len(presets), tuple(search.frontier),
                       tuple(rows), tuple(choices), target, results.path, time.perf_counter() - t0, tuple(notes),
-                      tuple(speeds.values()))
+                      tuple(speeds.values()), out_of_sample)
+
+
+def _out_of_sample(opts: TuneOptions, model: Path, runner: Runner, env: TuneEnvironment, results: ResultsFile,
+                   fp: str, progress: Progress, meta: dict[str, Any], info: ModelInfo, search: _Search,
+                   presets: dict[tuple[str, float], SimPoint]) -> tuple[OutOfSample, ...]:
+    """Step 4b: the full model on the check text, then per residency the choice and the quality preset there, each
+    paired against it (labels "check:...", so that a resumed folder finds them)."""
+    assert opts.check_text is not None
+    text = opts.check_text.resolve()
+    runs = _Runs(opts, model, text, runner, env, results, fp, progress, meta)
+    runs.full_label = f"check:{FULL}"
+    runs.run([runs.ppl_spec(runs.full_label, CacheSpec("emulate", "fetch-all", info.n_expert,
+                                                       str(opts.out / "stats" / "check-full.json")))])
+    out: list[OutOfSample] = []
+    for f, c in search.chosen.items():
+        q = presets[("quality", f)].candidate
+        for role, cand, name, policy in (("chosen", c, c.name, c.policy),
+                                         ("quality", q, f"quality slots={q.slots}", "policy=quality")):
+            label = f"check:{name}"
+            d = None if cand.rung.exact else runs.delta(label, _emulate_cache(cand, opts.out / "stats" /
+                                                                             f"check-{safe_name(name)}.json"))
+            ok = True if cand.rung.exact else within_bound(d, opts.max_delta_pct, opts.strict)
+            out.append(OutOfSample(residency_label(f), role, policy, str(opts.check_text), d, ok))
+    return tuple(out)
 
 
 def _measure(opts: TuneOptions, model: Path, host: str, cpu: bool, runs: _Runs, rows: list[CheckRow],

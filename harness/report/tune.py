@@ -85,6 +85,17 @@ def summary_lines(res: TuneResult) -> list[str]:
             lines += [f"| `{r.policy}` | {r.est_tps:.1f} | {_delta(r)} | {_measured(r)} |" for r in grid]
             lines += ["", f"The choice within 5% of the fastest measured of these: **{verdict}**."]
         lines += ["", f"Run it: `--moe-cache {ch.spec}`", ""]
+    if res.out_of_sample:
+        lines += ["### Out of sample", "", f"Chosen on `{o.text or 'the default text'}`, judged on "
+                  f"`{res.out_of_sample[0].text}` (`--check-text`): delta-PPL paired against the full model there.", "",
+                  "| residency | configuration | policy | delta-PPL there [95% CI] | within bound there |",
+                  "|---|---|---|---|---|"]
+        for c in res.out_of_sample:
+            d = (f"{c.delta.delta_pct:+.2f}% [{c.delta.low:+.2f}, {c.delta.high:+.2f}]" if c.delta is not None
+                 else ("exact" if c.within_bound else "no paired delta"))
+            lines.append(f"| {c.residency} | {'**tuned**' if c.role == 'chosen' else c.role} | `{c.policy}` | {d} | "
+                         f"{'yes' if c.within_bound else '**no**'} |")
+        lines.append("")
     if res.profile_path is not None:
         lines.append(f"Profile: `{res.profile_path}` (`--moe-cache auto` reads it; docs/expert-cache.md, "
                      "\"Tuned profile\").")
