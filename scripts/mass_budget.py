@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ppl_cells  # noqa: E402
 
 from harness.domain.plan import slots_for_residency  # noqa: E402
 from harness.parsers.cache_stats import parse_cache_stats  # noqa: E402
@@ -40,23 +40,12 @@ POLICIES = tuple(
     + ["rule=first-choice,admit=0.5"]
     + [f"rule=budget,mass={m},admit=0.5" for m in (0.05, 0.1, 0.2, 0.3, 0.5)]
     + [f"rule=zero,tau={t}" for t in (0.05, 0.1, 0.2)])
-PPL = ROOT / "vendor/llama.cpp-patched/build-cpu/bin/llama-perplexity"
+PPL = ppl_cells.PPL
 HEAVY = 0.15
 
 
 def perplexity(model: Path, text: Path, chunks: int, threads: int, nll: Path, spec: str | None) -> float:
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
-    if spec:
-        env["LLAMA_MOE_CACHE"] = spec
-    argv = [str(PPL), "-m", str(model), "-f", str(text), "-c", "512", "-b", "512", "--chunks", str(chunks),
-            "-t", str(threads), "--fit", "off", "--nll-dump", str(nll)]
-    t0 = time.monotonic()
-    p = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        raise SystemExit(f"mass_budget: llama-perplexity failed ({p.returncode}) on {model.name} with {spec!r}: "
-                         + " | ".join(tail))
-    return time.monotonic() - t0
+    return ppl_cells.perplexity(model, text, chunks, threads, nll, spec, extra=(), who="mass_budget")
 
 
 def summaries(trace_path: Path) -> dict[str, float]:
@@ -126,8 +115,8 @@ def budget_wins(rows: list[dict]) -> list[tuple[str, int, int, bool]]:
     for name in MODELS:
         for f in FRACTIONS:
             cell = [r for r in rows if r["model"] == name and r["residency"] == f]
-            thr = sorted(((r["fetches_per_token"], r["measured"]["delta_pct"]) for r in cell
-                          if r["policy"].startswith("rule=threshold")))
+            thr = sorted((r["fetches_per_token"], r["measured"]["delta_pct"]) for r in cell
+                          if r["policy"].startswith("rule=threshold"))
             xs, ys = [p[0] for p in thr], [p[1] for p in thr]
             compared = won = 0
             for r in cell:

@@ -15,16 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ppl_cells  # noqa: E402
 
 from harness.domain.plan import slots_for_residency  # noqa: E402
 from harness.parsers.cache_stats import parse_cache_stats  # noqa: E402
@@ -34,23 +34,13 @@ from harness.stats.intervals import paired_delta_ppl  # noqa: E402
 
 MODELS = ("tinymoe-f16.gguf", "studymoe-q8_0.gguf", "localmoe-q8_0.gguf")
 FRACTIONS = (0.125, 0.25)
-POLICIES = ("policy=quality", "policy=speed", "rule=threshold,tau=0.08,evict=lfu,admit=0.5", "rule=zero,tau=0.1,evict=lfu")
-PPL = ROOT / "vendor/llama.cpp-patched/build-cpu/bin/llama-perplexity"
+POLICIES = ("policy=quality", "policy=speed", "rule=threshold,tau=0.08,evict=lfu,admit=0.5",
+            "rule=zero,tau=0.1,evict=lfu")
+PPL = ppl_cells.PPL
 
 
 def perplexity(model: Path, text: Path, chunks: int, threads: int, nll: Path, spec: str | None) -> float:
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_CACHE"}
-    if spec:
-        env["LLAMA_MOE_CACHE"] = spec
-    argv = [str(PPL), "-m", str(model), "-f", str(text), "-c", "512", "-b", "512", "-ub", "1", "--chunks", str(chunks),
-            "-t", str(threads), "--fit", "off", "--nll-dump", str(nll)]
-    t0 = time.monotonic()
-    p = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        raise SystemExit(f"shadow_check: llama-perplexity failed ({p.returncode}) on {model.name} with {spec!r}: "
-                         + " | ".join(tail))
-    return time.monotonic() - t0
+    return ppl_cells.perplexity(model, text, chunks, threads, nll, spec, extra=("-ub", "1"), who="shadow_check")
 
 
 def run_cells(out: Path, text: Path, chunks: int, threads: int) -> list[dict]:
@@ -87,7 +77,8 @@ def run_cells(out: Path, text: Path, chunks: int, threads: int) -> list[dict]:
                 st = parse_cache_stats(stats.read_text())
                 assert st.shadow is not None, "no shadow object in the stats"
                 r = {"cell": cell, "model": name, "residency": f, "slots": slots, "policy": pol, "spec": spec,
-                     "text": str(text.relative_to(ROOT)), "chunks": chunks, "threads": threads, "seconds": round(secs, 1),
+                     "text": str(text.relative_to(ROOT)), "chunks": chunks, "threads": threads,
+                     "seconds": round(secs, 1),
                      "measured": {"delta_pct": d.delta_pct, "low": d.low, "high": d.high, "n_tokens": d.n_tokens},
                      "shadow": st.as_dict()["shadow"], "hit_rate": st.hit_rate,
                      "substituted_mass": st.substituted_mass}
@@ -112,7 +103,7 @@ def report(rows: list[dict]) -> str:
              "Reproduce: `.venv/bin/python scripts/shadow_check.py --out eval/shadow-estimate`.", "",
              "| model | residency | policy | hit rate | measured delta-PPL% [95% CI] | estimate [95% CI] | "
              "estimate / measured | inside |", "|---|---|---|---|---|---|---|---|"]
-    for r, ok in zip(rows, inside):
+    for r, ok in zip(rows, inside, strict=True):
         m, s = r["measured"], r["shadow"]
         ratio = s["dppl_pct"] / m["delta_pct"] if abs(m["delta_pct"]) > 1e-9 else math.nan
         lines.append(f"| {r['model']} | {r['residency'] * 100:g}% | `{r['policy']}` | {r['hit_rate']:.3f} | "

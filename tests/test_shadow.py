@@ -10,16 +10,17 @@ llama-perplexity on generated models:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_expert_cache import N_CHUNKS, check_ok, run_ppl
 
 from harness.core.project import Build
 from harness.parsers.cache_stats import parse_cache_stats
 from harness.tools.synth import SynthSpec, synth_text, write_synth_model
-from test_expert_cache import N_CHUNKS, check_ok, run_ppl
 
 N_EXPERT, K = 64, 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def shadow_of(stats: dict) -> dict:  # type: ignore[type-arg]
-    s = parse_cache_stats(__import__("json").dumps(stats)).shadow
+    s = parse_cache_stats(json.dumps(stats)).shadow
     assert s is not None, "no shadow object in the stats"
     return s.__dict__
 
@@ -117,3 +118,23 @@ def test_shadow_refusals(patched_build: Build, moe: Path, text: Path, tmp_path: 
     assert "shadow= computes a ubatch twice, which a recurrent state (qwen3next) cannot take: remove shadow=" \
         in r.output
     assert "Traceback" not in r.output
+
+
+def test_the_shadow_object_is_parsed_and_checked() -> None:
+    """A committed stats file of eval/shadow-estimate reads back with its shadow object; a damaged field is one
+    ParseError naming it, not a wrong number."""
+    import json
+
+    from harness.parsers.base import ParseError
+
+    path = next(iter(sorted((ROOT / "eval" / "shadow-estimate" / "work").glob("localmoe*.stats.json"))))
+    doc = json.loads(path.read_text())
+    st = parse_cache_stats(json.dumps(doc))
+    assert st.shadow is not None and st.shadow.every == 4 and st.shadow.ubatches > 0
+    assert st.shadow.dppl_pct_low <= st.shadow.dppl_pct <= st.shadow.dppl_pct_high
+    assert type(st).from_dict(st.as_dict()).shadow == st.shadow
+    doc["shadow"]["kl"] = "NaN"
+    with pytest.raises(ParseError, match="shadow.kl"):
+        parse_cache_stats(json.dumps(doc))
+    del doc["shadow"]
+    assert parse_cache_stats(json.dumps(doc)).shadow is None

@@ -33,9 +33,9 @@ FRONTIER_GRID_KEYS = ("families", "fractions", "taus", "admits", "evicts", "j", 
 TOPIC_OPTION_KEYS = ("out", "model", "text", "tokenizer", "policy", "fraction", "window", "n_ctx", "chunks",
                      "threads", "n_boot", "seed", "argv", "warm_from", "warm_profile")
 BPB_OPTION_KEYS = ("out", "model", "text", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv")
-TUNE_OPTION_KEYS = ("out", "model", "text", "check_text", "max_delta_pct", "strict", "grid", "host", "base_profile", "readers",
-                    "measure", "measure_grid", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot", "seed", "argv",
-                    "warm_from", "warm_profile")
+TUNE_OPTION_KEYS = ("out", "model", "text", "check_text", "max_delta_pct", "strict", "grid", "host", "base_profile",
+                    "readers", "measure", "measure_grid", "runs", "n_gen", "n_ctx", "chunks", "threads", "n_boot",
+                    "seed", "argv", "warm_from", "warm_profile")
 
 
 def _json_value(v: Any) -> Any:

@@ -66,8 +66,11 @@ class ShadowEstimate:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise ParseError(f"the cache statistic shadow.{k} is {v!r}", text, source="the expert cache")
             vals[k] = v
-        return ShadowEstimate(**{k: (int(vals[k]) if k in ("every", "ubatches", "rows", "pairs") else float(vals[k]))
-                                 for k in _SHADOW_FIELDS})
+        i = {k: int(vals[k]) for k in ("every", "ubatches", "rows", "pairs")}
+        f = {k: float(vals[k]) for k in _SHADOW_FIELDS if k not in i}
+        return ShadowEstimate(i["every"], i["ubatches"], i["rows"], i["pairs"], f["kl"], f["kl_low"], f["kl_high"],
+                              f["dnll"], f["dnll_low"], f["dnll_high"], f["dppl_pct"], f["dppl_pct_low"],
+                              f["dppl_pct_high"], f["shadow_ms"])
 
 
 @dataclass(frozen=True)
