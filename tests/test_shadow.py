@@ -138,3 +138,18 @@ def test_the_shadow_object_is_parsed_and_checked() -> None:
         parse_cache_stats(json.dumps(doc))
     del doc["shadow"]
     assert parse_cache_stats(json.dumps(doc)).shadow is None
+
+
+def test_the_shadow_estimate_on_metrics(patched_build: Build, moe: Path, tmp_path: Path) -> None:
+    """llama-server's /metrics carries the estimate beside the counters (decode: one-token ubatches, every second
+    one computed twice), and the harness's parser reads its number gauges."""
+    from harness.tools.server import llama_server
+
+    with llama_server(patched_build.tool("llama-server"), moe, tmp_path / "server.log",
+                      spec="mode=emulate,policy=speed,slots=16,shadow=2", ctx=512, threads=2) as s:
+        s.complete("one two three four", n_predict=24)
+        m = s.metrics().cache
+    assert m is not None and m.shadow is not None, "no shadow gauges on /metrics"
+    assert m.counters["shadow_ubatches"] >= 10  # 24 decoded tokens, every second one (and the prompt's ubatch)
+    assert set(m.shadow) == {"dppl_pct", "dppl_pct_low", "dppl_pct_high", "kl_nats"}
+    assert m.shadow["dppl_pct_low"] <= m.shadow["dppl_pct"] <= m.shadow["dppl_pct_high"] and m.shadow["kl_nats"] >= 0
