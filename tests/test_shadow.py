@@ -5,7 +5,8 @@ llama-perplexity on generated models:
 - fetch-all's estimate is exactly zero (its served pass is the exact one), and every ubatch is a sample;
 - a policy that substitutes has a positive KL and a positive NLL difference, and at one-token ubatches (decode's
   shape) the estimate's sign and size follow the measured delta-PPL;
-- refusals in one line: engine mode, a hybrid model (qwen3next: the exact pass would advance its recurrent state).
+- on a hybrid model (qwen3next) the recurrent state the exact pass advances is restored: the served run unchanged;
+- refusals in one line: engine mode.
 """
 
 from __future__ import annotations
@@ -111,13 +112,32 @@ def test_shadow_refusals(patched_build: Build, moe: Path, text: Path, tmp_path: 
     assert r.returncode != 0
     assert "shadow= computes a ubatch exactly with the full expert tensors, which mode=engine's banks replace" \
         in r.output
-    hybrid = write_synth_model(SynthSpec(arch="qwen3next", seed=3), tmp_path / "qwen3next.gguf")
-    r = run_ppl(patched_build, hybrid, text, tmp_path / "hybrid", "mode=emulate,policy=quality,shadow=4",
-                stats=False, want="recurrent")
-    assert r.returncode != 0
-    assert "shadow= computes a ubatch twice, which a recurrent state (qwen3next) cannot take: remove shadow=" \
-        in r.output
     assert "Traceback" not in r.output
+
+
+def test_shadow_on_a_hybrid_model_restores_the_recurrent_state(patched_build: Build, text: Path,
+                                                                tmp_path: Path) -> None:
+    """qwen3next (the study's architecture: linear-attention layers with a recurrent state beside attention): the
+    exact pass advances the recurrent state in place, and the cache restores it before the served pass. Without the
+    restore the served pass would start from a state advanced twice: the NLLs would differ from the run's without
+    the estimate, and fetch-all's estimate would not be 0."""
+    hybrid = write_synth_model(SynthSpec(arch="qwen3next", seed=3), tmp_path / "qwen3next.gguf")
+    for name, extra in (("ubatch", ()), ("decode", ("-ub", "1"))):
+        spec = "mode=emulate,policy=speed,slots=25%"
+        plain = run_ppl(patched_build, hybrid, text, tmp_path / f"{name}-plain", spec, nll=True, extra=extra)
+        shadowed = run_ppl(patched_build, hybrid, text, tmp_path / f"{name}-shadow", spec + ",shadow=1", nll=True,
+                           extra=extra)
+        check_ok(plain)
+        check_ok(shadowed)
+        assert plain.nll is not None and shadowed.nll is not None
+        assert np.array_equal(plain.nll, shadowed.nll), f"{name}: the exact pass changed the served run"
+        assert shadowed.stats is not None and shadow_of(shadowed.stats)["ubatches"] > 0
+        full = run_ppl(patched_build, hybrid, text, tmp_path / f"{name}-full",
+                       "mode=emulate,policy=fetch-all,slots=25%,shadow=1", extra=extra)
+        check_ok(full)
+        assert full.stats is not None
+        sh = shadow_of(full.stats)
+        assert sh["rows"] > 0 and sh["kl"] == 0.0 and sh["dnll"] == 0.0, (name, sh)
 
 
 def test_the_shadow_object_is_parsed_and_checked() -> None:

@@ -17,6 +17,8 @@
 #include "llama-graph.h"
 
 #include "llama-impl.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-recurrent.h"
 #include "llama-model.h"
 
 #include "ggml.h"
@@ -247,6 +249,30 @@ static std::string expert_cache_auto_spec(const llama_model & model, const char 
     return run;
 }
 
+// shadow= on a recurrent or hybrid model: the recurrent memory's state tensors, which the exact pass's writes are
+// undone in (llama-expert-shadow.h)
+static void shadow_attach_state(llama_expert_shadow & shadow, const llama_model & model, const llama_memory_i * memory,
+        const std::string & prefix) {
+    if (!llama_model_is_recurrent(&model) && !llama_model_is_hybrid(&model)) {
+        return;
+    }
+    const llama_memory_recurrent * recr = dynamic_cast<const llama_memory_recurrent *>(memory);
+    if (const auto * hybrid = dynamic_cast<const llama_memory_hybrid *>(memory)) {
+        recr = hybrid->get_mem_recr();
+    }
+    if (recr == nullptr) {
+        throw std::runtime_error(prefix + "shadow= on a recurrent model needs its recurrent memory, which this context "
+            "does not have: remove shadow=");
+    }
+    for (const auto * v : { &recr->r_l, &recr->s_l }) {
+        for (ggml_tensor * t : *v) {
+            if (t != nullptr) {
+                shadow.state.push_back(t);
+            }
+        }
+    }
+}
+
 static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_model & model, const llama_memory_i * memory,
         const llama_cparams & cparams, const char * spec_env) {
     std::map<ggml_backend_buffer_type_t, size_t> ctx_mem;
@@ -270,7 +296,11 @@ static std::unique_ptr<llama_expert_cache_impl> expert_cache_create(const llama_
         }
         return nullptr;
     }
-    return std::make_unique<llama_expert_cache_impl>(cfg, model, ctx_mem);
+    auto cache = std::make_unique<llama_expert_cache_impl>(cfg, model, ctx_mem);
+    if (cache->shadow) {
+        shadow_attach_state(*cache->shadow, model, memory, std::string(LLAMA_EXPERT_CACHE_ENV) + "='" + spec + "': ");
+    }
+    return cache;
 }
 
 // the shape of the model that the cache's policies need (no tensors): a model's, or a router trace's (llama-moe-sim)
@@ -433,11 +463,6 @@ llama_expert_cache_impl::llama_expert_cache_impl(const llama_expert_cache_config
 
     init_end(n_moe);
     if (cfg.shadow > 0) {
-        if (llama_model_is_recurrent(&model) || llama_model_is_hybrid(&model)) {
-            // the exact pass would advance the recurrent state that the served pass then reads
-            throw std::runtime_error(prefix + "shadow= computes a ubatch twice, which a recurrent state (" + arch +
-                ") cannot take: remove shadow=");
-        }
         if (replay) {
             throw std::runtime_error(prefix + "shadow= compares with the model's own routing, which " +
                 LLAMA_EXPERT_REPLAY_ENV + " replaces: remove shadow=");

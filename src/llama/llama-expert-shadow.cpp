@@ -165,6 +165,11 @@ ggml_status llama_expert_shadow::compute_ubatch(const llama_ubatch & ubatch, ggm
     const int64_t n_rows  = ggml_nrows(t_logits);
     const size_t  n       = (size_t) (n_vocab * n_rows);
 
+    saved.resize(state.size());
+    for (size_t i = 0; i < state.size(); ++i) {
+        saved[i].resize(ggml_nbytes(state[i]));
+        ggml_backend_tensor_get(state[i], saved[i].data(), 0, saved[i].size());
+    }
     active = true;
     ggml_status st = compute(false);
     active = false;
@@ -174,6 +179,9 @@ ggml_status llama_expert_shadow::compute_ubatch(const llama_ubatch & ubatch, ggm
     ggml_backend_sched_synchronize(sched);
     exact.resize(n);
     ggml_backend_tensor_get(t_logits, exact.data(), 0, n * sizeof(float));
+    for (size_t i = 0; i < state.size(); ++i) {
+        ggml_backend_tensor_set(state[i], saved[i].data(), 0, saved[i].size()); // the state before the exact pass
+    }
     const auto t1 = std::chrono::steady_clock::now();
 
     st = compute(true); // served (its inputs set again): its memory writes and logits are what the caller keeps

@@ -14,6 +14,8 @@
 // (the ubatch is the sample: its rows share their history). What it does not see: the served history. The exact
 // pass attends to the served KV of earlier tokens, so the estimate is the cost of the current token's decisions
 // given the served context, not the drift of a whole served run (docs/expert-cache.md, "The shadow estimate").
+// Recurrent and hybrid models: their recurrent state, which a compute advances in place, is saved before the exact
+// pass and restored after it (`state`), so that the served pass starts from the state a run without it has.
 
 #include "ggml-backend.h"
 
@@ -51,6 +53,10 @@ struct llama_expert_shadow {
     // the route steps pass the router's experts through while this is true (the exact pass)
     bool active = false;
 
+    // recurrent and hybrid models: the state tensors that a compute advances in place (the recurrent memory's
+    // r_l and s_l); the exact pass's writes to them are undone before the served pass (saved and restored whole)
+    std::vector<ggml_tensor *> state;
+
     // In place of the context's graph_compute for one ubatch: compute() once, or, when the estimate is due, twice as
     // described above. t_logits: the graph's logits [n_vocab, n_outputs] (null: nothing compared, computed once).
     ggml_status compute_ubatch(const llama_ubatch & ubatch, ggml_tensor * t_logits, ggml_backend_sched_t sched,
@@ -79,6 +85,7 @@ struct llama_expert_shadow {
     std::vector<float>  pending_exact;  // log-probabilities
     std::vector<float>  pending_served;
 
+    std::vector<std::vector<uint8_t>> saved; // the state tensors' bytes before the exact pass
     std::vector<float> exact, served; // the two passes' logits, then log-probabilities, [n_outputs * n_vocab]
     std::vector<float> prob;          // one row of the exact pass's probabilities
 
