@@ -14,7 +14,6 @@ their summaries), then writes OUT/report.md with the verdicts.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,9 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import ppl_cells  # noqa: E402
 
-from harness.domain.plan import slots_for_residency  # noqa: E402
 from harness.parsers.cache_stats import parse_cache_stats  # noqa: E402
-from harness.parsers.gguf_model import read_model_info  # noqa: E402
 from harness.parsers.nll_dump import read_nll_dump_file  # noqa: E402
 from harness.parsers.trace import ACTION_DROP, ACTION_SUBSTITUTE, read_expert_trace  # noqa: E402
 from harness.stats.intervals import paired_delta_ppl  # noqa: E402
@@ -44,10 +41,6 @@ PPL = ppl_cells.PPL
 HEAVY = 0.15
 
 
-def perplexity(model: Path, text: Path, chunks: int, threads: int, nll: Path, spec: str | None) -> float:
-    return ppl_cells.perplexity(model, text, chunks, threads, nll, spec, extra=(), who="mass_budget")
-
-
 def summaries(trace_path: Path) -> dict[str, float]:
     """S1-S3 per token (summed over MoE layers), averaged over tokens."""
     tr = read_expert_trace(trace_path)
@@ -61,49 +54,24 @@ def summaries(trace_path: Path) -> dict[str, float]:
             "s3_heavy": float((lost & (w >= HEAVY)).sum() / n_tokens), "tokens": n_tokens}
 
 
-def run_cells(out: Path, text: Path, chunks: int, threads: int) -> list[dict]:
-    results = out / "results.jsonl"
-    done = {json.loads(line)["cell"]: json.loads(line) for line in results.read_text().splitlines()} \
-        if results.exists() else {}
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in MODELS:
-        model = ROOT / "models" / name
-        info = read_model_info(model)
-        full = work / f"{name}.full.nll"
-        if not full.exists():
-            perplexity(model, text, chunks, threads, full, None)
-        base = read_nll_dump_file(full)
-        for f in FRACTIONS:
-            slots = slots_for_residency(f, info.n_expert, info.n_expert_used)
-            for pol in POLICIES:
-                cell = f"{name} {f * 100:g}% {pol}"
-                if cell in done:
-                    rows.append(done[cell])
-                    continue
-                tag = f"{name}.{f:g}.{pol.replace('=', '-').replace(',', '.')}"
-                nll, stats, trace = work / f"{tag}.nll", work / f"{tag}.stats.json", work / f"{tag}.trace"
-                spec = f"mode=emulate,{pol},evict=lfu,slots={slots},shadow=1,stats={stats},trace={trace}"
-                secs = perplexity(model, text, chunks, threads, nll, spec)
-                d = paired_delta_ppl(base.nll, read_nll_dump_file(nll).nll, base.chunk)
-                st = parse_cache_stats(stats.read_text())
-                assert st.shadow is not None
-                summ = summaries(trace)
-                trace.unlink()
-                nll.unlink()  # the paired delta is recorded; the full model's dump stays
-                r = {"cell": cell, "model": name, "residency": f, "slots": slots, "policy": pol, "spec": spec,
-                     "chunks": chunks, "threads": threads, "seconds": round(secs, 1),
-                     "measured": {"delta_pct": d.delta_pct, "low": d.low, "high": d.high},
-                     "fetches_per_token": st.fetches_per_token, "hit_rate": st.hit_rate,
-                     **summ, "s4_kl": st.shadow.kl, "shadow": st.as_dict()["shadow"]}
-                with results.open("a") as fh:
-                    fh.write(json.dumps(r) + "\n")
-                print(f"{cell}: {d.delta_pct:+.2f}% fetches {st.fetches_per_token:.2f} S1 {summ['s1_mass']:.3f} "
-                      f"S2 {summ['s2_sq']:.4f} S3 {summ['s3_heavy']:.3f} KL {st.shadow.kl:.5f} ({secs:.0f} s)",
-                      flush=True)
-                rows.append(r)
-    return rows
+def measure(cell: ppl_cells.Cell, work: Path, text: Path, chunks: int, threads: int) -> dict:
+    """One cell: emulate with shadow=1 and a router trace; the paired delta, fetches, the four summaries (the trace
+    and the cell's NLL dump are deleted once reduced: the full model's dump stays)."""
+    nll, stats, trace = work / f"{cell.tag}.nll", work / f"{cell.tag}.stats.json", work / f"{cell.tag}.trace"
+    spec = f"mode=emulate,{cell.policy},evict=lfu,slots={cell.slots},shadow=1,stats={stats},trace={trace}"
+    secs = ppl_cells.perplexity(cell.model, text, chunks, threads, nll, spec, who="mass_budget")
+    d = paired_delta_ppl(cell.base.nll, read_nll_dump_file(nll).nll, cell.base.chunk)
+    st = parse_cache_stats(stats.read_text())
+    assert st.shadow is not None
+    summ = summaries(trace)
+    trace.unlink()
+    nll.unlink()
+    print(f"{cell.name}: {d.delta_pct:+.2f}% fetches {st.fetches_per_token:.2f} S1 {summ['s1_mass']:.3f} "
+          f"S2 {summ['s2_sq']:.4f} S3 {summ['s3_heavy']:.3f} KL {st.shadow.kl:.5f} ({secs:.0f} s)", flush=True)
+    return {"spec": spec, "seconds": round(secs, 1),
+            "measured": {"delta_pct": d.delta_pct, "low": d.low, "high": d.high},
+            "fetches_per_token": st.fetches_per_token, "hit_rate": st.hit_rate,
+            **summ, "s4_kl": st.shadow.kl, "shadow": st.as_dict()["shadow"]}
 
 
 def pearson(x: list[float], y: list[float]) -> float:
@@ -176,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not PPL.exists():
         raise SystemExit(f"mass_budget: {PPL} is not built: run ./build.sh")
-    rows = run_cells(a.out.resolve(), a.text.resolve(), a.chunks, a.threads)
+    text_path = a.text.resolve()
+    rows = ppl_cells.run_cells(a.out.resolve(), text_path, a.chunks, a.threads, MODELS, FRACTIONS, POLICIES,
+                               lambda c, w: measure(c, w, text_path, a.chunks, a.threads), who="mass_budget")
     text = report(rows)
     (a.out / "report.md").write_text(text)
     print("\n".join(text.splitlines()[:30]))

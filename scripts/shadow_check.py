@@ -13,7 +13,6 @@ again: an interrupted run resumes), then writes OUT/report.md with the rules' ve
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -26,9 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import ppl_cells  # noqa: E402
 
-from harness.domain.plan import slots_for_residency  # noqa: E402
 from harness.parsers.cache_stats import parse_cache_stats  # noqa: E402
-from harness.parsers.gguf_model import read_model_info  # noqa: E402
 from harness.parsers.nll_dump import read_nll_dump_file  # noqa: E402
 from harness.stats.intervals import paired_delta_ppl  # noqa: E402
 
@@ -37,59 +34,24 @@ FRACTIONS = (0.125, 0.25)
 POLICIES = ("policy=quality", "policy=speed", "rule=threshold,tau=0.08,evict=lfu,admit=0.5",
             "rule=zero,tau=0.1,evict=lfu")
 PPL = ppl_cells.PPL
+UBATCH = ("-ub", "1")  # decode's shape: each token's exact pass attends to the served history
 
 
-def perplexity(model: Path, text: Path, chunks: int, threads: int, nll: Path, spec: str | None) -> float:
-    return ppl_cells.perplexity(model, text, chunks, threads, nll, spec, extra=("-ub", "1"), who="shadow_check")
-
-
-def run_cells(out: Path, text: Path, chunks: int, threads: int) -> list[dict]:
-    results = out / "results.jsonl"
-    done = {}
-    if results.exists():
-        for line in results.read_text().splitlines():
-            r = json.loads(line)
-            done[r["cell"]] = r
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in MODELS:
-        model = ROOT / "models" / name
-        info = read_model_info(model)
-        full = work / f"{name}.full.nll"
-        if not full.exists():
-            s = perplexity(model, text, chunks, threads, full, None)
-            print(f"{name}: full model in {s:.0f} s", flush=True)
-        base = read_nll_dump_file(full)
-        for f in FRACTIONS:
-            slots = slots_for_residency(f, info.n_expert, info.n_expert_used)
-            for pol in POLICIES:
-                cell = f"{name} {f * 100:g}% {pol}"
-                if cell in done:
-                    rows.append(done[cell])
-                    continue
-                tag = f"{name}.{f:g}.{pol.replace('=', '-').replace(',', '.')}"
-                nll, stats = work / f"{tag}.nll", work / f"{tag}.stats.json"
-                spec = f"mode=emulate,{pol},slots={slots},shadow=4,stats={stats}"
-                secs = perplexity(model, text, chunks, threads, nll, spec)
-                test = read_nll_dump_file(nll)
-                d = paired_delta_ppl(base.nll, test.nll, base.chunk)
-                st = parse_cache_stats(stats.read_text())
-                assert st.shadow is not None, "no shadow object in the stats"
-                r = {"cell": cell, "model": name, "residency": f, "slots": slots, "policy": pol, "spec": spec,
-                     "text": str(text.relative_to(ROOT)), "chunks": chunks, "threads": threads,
-                     "seconds": round(secs, 1),
-                     "measured": {"delta_pct": d.delta_pct, "low": d.low, "high": d.high, "n_tokens": d.n_tokens},
-                     "shadow": st.as_dict()["shadow"], "hit_rate": st.hit_rate,
-                     "substituted_mass": st.substituted_mass}
-                with results.open("a") as fh:
-                    fh.write(json.dumps(r) + "\n")
-                sh = r["shadow"]
-                print(f"{cell}: measured {d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}], estimate "
-                      f"{sh['dppl_pct']:+.2f}% [{sh['dppl_pct_low']:+.2f}, {sh['dppl_pct_high']:+.2f}] ({secs:.0f} s)",
-                      flush=True)
-                rows.append(r)
-    return rows
+def measure(cell: ppl_cells.Cell, work: Path, text: Path, chunks: int, threads: int) -> dict:
+    """One cell: emulate with shadow=4 at one-token ubatches; the paired delta against the full model and the
+    stats file's shadow object."""
+    nll, stats = work / f"{cell.tag}.nll", work / f"{cell.tag}.stats.json"
+    spec = f"mode=emulate,{cell.policy},slots={cell.slots},shadow=4,stats={stats}"
+    secs = ppl_cells.perplexity(cell.model, text, chunks, threads, nll, spec, extra=UBATCH, who="shadow_check")
+    d = paired_delta_ppl(cell.base.nll, read_nll_dump_file(nll).nll, cell.base.chunk)
+    st = parse_cache_stats(stats.read_text())
+    assert st.shadow is not None, "no shadow object in the stats"
+    sh = st.as_dict()["shadow"]
+    print(f"{cell.name}: measured {d.delta_pct:+.2f}% [{d.low:+.2f}, {d.high:+.2f}], estimate "
+          f"{sh['dppl_pct']:+.2f}% [{sh['dppl_pct_low']:+.2f}, {sh['dppl_pct_high']:+.2f}] ({secs:.0f} s)", flush=True)
+    return {"spec": spec, "text": str(text.relative_to(ROOT)), "seconds": round(secs, 1),
+            "measured": {"delta_pct": d.delta_pct, "low": d.low, "high": d.high, "n_tokens": d.n_tokens},
+            "shadow": sh, "hit_rate": st.hit_rate, "substituted_mass": st.substituted_mass}
 
 
 def report(rows: list[dict]) -> str:
@@ -130,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not PPL.exists():
         raise SystemExit(f"shadow_check: {PPL} is not built: run ./build.sh")
-    rows = run_cells(a.out.resolve(), a.text.resolve(), a.chunks, a.threads)
+    text = a.text.resolve()
+    rows = ppl_cells.run_cells(a.out.resolve(), text, a.chunks, a.threads, MODELS, FRACTIONS, POLICIES,
+                               lambda c, w: measure(c, w, text, a.chunks, a.threads), extra=UBATCH,
+                               who="shadow_check")
     (a.out / "report.md").write_text(report(rows))
     print(report(rows))
     return 0
