@@ -84,8 +84,12 @@ cmd_compat() {
     if [ -n "$old_files" ]; then
         [ -n "$sdist" ] && [ -f "$sdist" ] || die "vendor/llama.cpp has another compat series: the pinned source package is needed to restore $(echo $old_files)"
         tmp=$(mktemp -d)
-        local top
-        top=$(tar -tzf "$sdist" | head -n 1 | cut -d/ -f1)
+        local top listing
+        # the whole listing, then its first entry: `tar | head -n 1` under pipefail ends with tar's SIGPIPE (141) as
+        # soon as the package lists more than a pipe's buffer, so the restore failed on the real source package
+        listing=$(tar -tzf "$sdist") || { rm -rf "$tmp"; die "could not list $sdist"; }
+        top=${listing%%$'\n'*}
+        top=${top%%/*}
         # shellcheck disable=SC2046
         tar -xzf "$sdist" -C "$tmp" $(for f in $old_files; do echo "$top/vendor/llama.cpp/$f"; done) \
             || { rm -rf "$tmp"; die "could not restore $(echo $old_files) from $sdist"; }
